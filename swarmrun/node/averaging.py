@@ -1,0 +1,249 @@
+"""The collective round on hivemind's all-reduce: exact averaging, failure reports, admission.
+
+hivemind's ``DecentralizedAverager`` as shipped gives peers different bits (reducers return
+``avg - x`` that receivers add), lets a failed reducer's part silently stay local and drops a failed
+sender only from the parts not yet reduced. ``RoundAverager`` is the one narrow subclass that turns
+its all-reduce into the round of DESIGN.md; ``ExactAllReduceRunner`` is the runner it uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import BannedException, TensorPartContainer
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_logger
+from hivemind.utils.asyncio import amap_in_executor, azip, as_aiter, enter_asynchronously
+
+from ..protocol.codec import unpack
+from ..protocol.cursor import DataCursor
+from ..protocol.errors import ProtocolError
+from ..protocol.round import ClaimDecision, RoundMeta, check_round_meta, decide_claims
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What the averager process reports to the trainer after one all-reduce (picklable, small)."""
+
+    group_id: bytes
+    peer_ids: tuple[str, ...]  # participants, in group order
+    metas: tuple[RoundMeta, ...]
+    weights: tuple[float, ...]
+    complete: bool  # every part came back averaged from every reducer, no sender was banned
+    reason: str = ""
+
+
+def decode_gathered(blob: bytes) -> RoundMeta:
+    """hivemind wraps our metadata as msgpack ``[bandwidth, mode, user_bytes]``; user_bytes wraps ours."""
+    outer = unpack(blob, max_size=128 * 1024)
+    if not (isinstance(outer, list) and len(outer) == 3 and isinstance(outer[2], bytes)):
+        raise ProtocolError("malformed gathered metadata")
+    inner = unpack(outer[2], max_size=128 * 1024)
+    if not isinstance(inner, bytes):
+        raise ProtocolError("malformed gathered metadata")
+    return RoundMeta.decode(inner)
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """Butterfly all-reduce whose receivers copy the reducer's averaged part instead of adding a delta.
+
+    Overrides (all for exactness, see DESIGN.md "Commit semantics"):
+    - ``__init__``: the part container returns averaged parts (``return_deltas=False``); the weight of
+      each sender comes from the round's claim decision, not from the number in its messages.
+    - ``_communicate_with_peer`` (own part) and ``_accumulate_parts_streaming`` (others' parts): hand
+      back the averaged part itself, passed once through the wire format so the reducer keeps exactly
+      the bits its receivers get.
+    """
+
+    def __init__(self, *, sender_weights: Sequence[float], tensors: Sequence[torch.Tensor], **kwargs):
+        super().__init__(tensors=tensors, **kwargs)
+        self.sender_weights = tuple(sender_weights)
+        container_kwargs = {k: kwargs[k] for k in ("compression", "part_size_bytes", "tensor_infos") if k in kwargs}
+        self.tensor_part_container = TensorPartContainer(
+            tensors, self.peer_fractions, return_deltas=False, **container_kwargs
+        )
+        self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(
+            self.ordered_peer_ids.index(self.peer_id)
+        )
+        self.weight = self.sender_weights[self.sender_peer_ids.index(self.peer_id)] if self.peer_id in self.sender_peer_ids else 0.0
+
+    @staticmethod
+    def _as_sent(part: torch.Tensor, compression) -> torch.Tensor:
+        return deserialize_torch_tensor(serialize_torch_tensor(part, compression))
+
+    async def _communicate_with_peer(self, peer_id):
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        loop = asyncio.get_event_loop()
+        compression = self.tensor_part_container.compression
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            as_sent = await loop.run_in_executor(None, self._as_sent, averaged, compression.compression_type)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, as_sent)
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
+        part_index = 0
+        weight = self.sender_weights[sender_index]
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, part_compression in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.tensor_part.compression),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    break
+                serialized = await loop.run_in_executor(
+                    None, lambda: serialize_torch_tensor(averaged_part, part_compression)
+                )
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class RoundAverager(DecentralizedAverager):
+    """hivemind's averager, narrowed to swarmrun's round.
+
+    Overrides, each because hivemind has no hook for it:
+    - ``_set_round_context`` (new, reached through hivemind's control pipe by ``prepare_round``): the
+      round's step and cursor; the group key carries the step, so only peers at one step meet.
+    - ``rpc_join_group``: admission of a follower (spec hash, step; certificates once access control
+      lands) before it enters the group, i.e. before any tensor moves.
+    - ``_aggregate_with_group``: checks every member's metadata again (a follower checks the leader's
+      group), decides claims and weights, runs ``ExactAllReduceRunner`` and returns a ``RoundOutcome``
+      instead of raising on a partial all-reduce (a retry would run on half-averaged tensors).
+    - ``_run_allreduce_inplace_``: copies the averaged parts into the tensors.
+    - ``get_current_state``: serves the frozen state given by ``state_source`` (bootstrap until the
+      multi-source transfer lands).
+    """
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht,
+        *,
+        spec_hash: str,
+        state_source: Callable[[], tuple] = lambda: (None, (), None),
+        **kwargs,
+    ):
+        self.spec_hash = spec_hash
+        self._state_source = state_source
+        self._round_step: Optional[int] = None
+        self._round_cursor: Optional[DataCursor] = None
+        super().__init__(averaged_tensors, dht, **kwargs)
+
+    # ---- runs in the host (trainer) process ---------------------------------------------------------
+    def get_current_state(self):
+        return self._state_source()
+
+    # ---- runs in the averager process ---------------------------------------------------------------
+    def prepare_round(self, step: int, cursor: DataCursor) -> None:
+        """Tell the averager process which step the next round is for and the cursor its claims are
+        decided against. hivemind's control pipe is the only channel into that process; its messages are
+        handled in order, so this arrives before the ``step()`` call that follows it."""
+        self._outer_pipe.send(("_set_round_context", [step, cursor.to_dict()], {}))
+
+    async def _set_round_context(self, step: int, cursor: dict) -> None:
+        self._round_step = step
+        self._round_cursor = DataCursor.from_dict(cursor)
+        # peers at different steps must never meet: the group key carries the step
+        self._matchmaking.group_key_manager.prefix = f"{self.prefix}.s{step}"
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        rejection = None
+        try:
+            meta = decode_gathered(request.gather)
+            if self._round_step is None:
+                rejection = "not in a round"
+            else:
+                found = check_round_meta(meta, spec_hash=self.spec_hash, step=self._round_step)
+                rejection = str(found) if found else None
+        except ProtocolError as e:
+            rejection = f"malformed metadata: {e}"
+        if rejection is not None:
+            logger.debug(f"refused {context.remote_id} at admission: {rejection}")
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        peer_ids = tuple(p.to_base58() for p in group_info.peer_ids)
+        try:
+            metas = tuple(decode_gathered(blob) for blob in group_info.gathered)
+        except ProtocolError as e:
+            raise_matchmaking(f"malformed metadata in group: {e}")
+        for peer, meta in zip(peer_ids, metas):
+            found = check_round_meta(meta, spec_hash=self.spec_hash, step=self._round_step)
+            if found is not None:
+                raise_matchmaking(f"group member {peer[-6:]} refused: {found}")
+        modes = tuple(AveragingMode(unpack(blob)[1]) for blob in group_info.gathered)
+        claims: ClaimDecision = decide_claims(metas, self._round_cursor)
+        sender_weights = [w for w, mode in zip(claims.weights, modes) if mode != AveragingMode.AUX]
+        if sum(sender_weights) <= 0:
+            return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, "no accepted samples")
+        fractions = tuple(0.0 if m == AveragingMode.CLIENT else 1.0 for m in modes)
+        kwargs.pop("weight", None)
+        try:
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                runner = await self._run_exact_allreduce(local_tensors, group_info, fractions, sender_weights, **kwargs)
+        except Exception as e:  # a failed peer, a timeout, a protocol error: the round is incomplete
+            logger.debug(f"all-reduce failed: {e!r}", exc_info=True)
+            return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, f"all-reduce failed: {e!r}")
+        failed = runner.tensor_part_container.failed_size
+        banned = sorted(p.to_base58()[-6:] for p in runner.banned_senders)
+        if failed or banned:
+            reason = f"{failed} values not averaged by their reducer; banned senders {banned}"
+            return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, reason)
+        return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, True)
+
+    async def _run_exact_allreduce(self, tensors, group_info, fractions, sender_weights, **kwargs):
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_info.group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            peer_fractions=fractions,
+            sender_weights=sender_weights,
+            **kwargs,
+        )
+        assert group_info.group_id in self._running_groups, "group was not registered"
+        self._running_groups[group_info.group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+        else:
+            async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                tensor.copy_(averaged)
+        return runner
+
+
+def raise_matchmaking(reason: str):
+    from hivemind.averaging.matchmaking import MatchmakingException
+
+    raise MatchmakingException(reason)

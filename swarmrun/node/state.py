@@ -1,0 +1,144 @@
+"""The run's state on a peer: capture it as named tensors + msgpack content, apply a received one, hash it.
+
+The state is logical (DESIGN.md): tensors are captured on CPU in their logical dtype, so a CUDA peer
+and a CPU peer describe the same state with the same bytes; which device holds it is not part of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..protocol.cursor import DataCursor
+from ..protocol.errors import IncompatibleState
+from ..protocol.manifest import DEFAULT_CHUNK_SIZE, Manifest, build_manifest
+
+_DTYPES = {
+    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64",
+    torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
+    torch.bool: "bool",
+}
+_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw little-endian bytes of a CPU tensor (bfloat16 viewed as int16, since numpy lacks it)."""
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
+def tensor_from_bytes(data: bytes | memoryview, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    if dtype not in _TORCH_DTYPES:
+        raise IncompatibleState(f"unsupported dtype {dtype!r} in state")
+    torch_dtype = _TORCH_DTYPES[dtype]
+    raw_dtype = torch.int16 if torch_dtype == torch.bfloat16 else torch_dtype
+    t = torch.frombuffer(bytearray(data), dtype=raw_dtype) if len(data) else torch.empty(0, dtype=raw_dtype)
+    if torch_dtype == torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    return t.reshape(tuple(shape))
+
+
+def digest_tensors(tensors: Sequence[torch.Tensor]) -> str:
+    """sha256 over the raw bytes of the tensors, in order (the vote's gradient hash)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(tensor_bytes(t.detach().cpu()))
+    return h.hexdigest()
+
+
+@dataclass
+class RunState:
+    """The training objects of a run on this peer, plus its step and cursor."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    step: int
+    cursor: DataCursor
+    spec_hash: str
+    seed: int
+    info: dict = field(default_factory=dict)
+
+    def capture(self) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+        """Named CPU copies of every tensor of the state, and the msgpack content (the rest of it)."""
+        tensors = [(f"model/{name}", t.detach().cpu().clone()) for name, t in self.model.state_dict().items()]
+        opt = self.optimizer.state_dict()
+        opt_scalars = {}
+        for index, pstate in sorted(opt["state"].items()):
+            for key, value in sorted(pstate.items()):
+                if isinstance(value, torch.Tensor):
+                    tensors.append((f"optimizer/{index}/{key}", value.detach().cpu().clone()))
+                else:
+                    opt_scalars[f"{index}/{key}"] = value
+        content = {
+            "cursor": self.cursor.to_dict(),
+            # randomness of the run is counter-based: the seed and the step (and a block's index) determine it,
+            # so no per-process RNG state is part of the training content
+            "rng": {"kind": "counter", "seed": self.seed, "step": self.step},
+            "optimizer": {"param_groups": _plain(opt["param_groups"]), "scalars": _plain(opt_scalars)},
+            "scheduler": _plain({k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}),
+        }
+        return tensors, content
+
+    def manifest(self, *, chunk_size: int = DEFAULT_CHUNK_SIZE, captured=None) -> Manifest:
+        tensors, content = captured if captured is not None else self.capture()
+        return build_manifest(
+            spec_hash=self.spec_hash,
+            step=self.step,
+            tensors=[(name, _DTYPES[t.dtype], tuple(t.shape), tensor_bytes(t)) for name, t in tensors],
+            content=content,
+            info=self.info,
+            chunk_size=chunk_size,
+        )
+
+    def state_hash(self) -> str:
+        return self.manifest().state_hash()
+
+    def apply(self, manifest: Manifest, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace this peer's state with a verified received one (tensors by manifest name, on CPU).
+
+        Raises:
+            IncompatibleState: the state is of another spec or does not fit this task's model.
+        """
+        if manifest.spec_hash != self.spec_hash:
+            raise IncompatibleState(f"state of spec {manifest.spec_hash[:12]} cannot be applied to run of spec {self.spec_hash[:12]}")
+        model_sd = self.model.state_dict()
+        new_model = {}
+        for name, ref in model_sd.items():
+            t = tensors.get(f"model/{name}")
+            if t is None or t.shape != ref.shape or t.dtype != ref.dtype:
+                raise IncompatibleState(f"state does not fit the model: tensor {name!r} missing or of another shape")
+            new_model[name] = t
+        content = manifest.content
+        opt_state: dict = {}
+        for name, t in tensors.items():
+            if name.startswith("optimizer/"):
+                _, index, key = name.split("/", 2)
+                opt_state.setdefault(int(index), {})[key] = t
+        for path, value in content["optimizer"]["scalars"].items():
+            index, key = path.split("/", 1)
+            opt_state.setdefault(int(index), {})[key] = value
+        device = next(self.model.parameters()).device
+        with torch.no_grad():
+            self.model.load_state_dict({k: v.to(device) for k, v in new_model.items()})
+        groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in content["optimizer"]["param_groups"]]
+        self.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+        self.scheduler.load_state_dict(dict(content["scheduler"]))
+        self.cursor = DataCursor.from_dict(content["cursor"])
+        self.step = manifest.step
+
+
+def _plain(obj):
+    """Make optimizer/scheduler metadata msgpack-able (tuples to lists, tensors to numbers)."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.item()
+    return obj

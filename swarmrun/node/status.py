@@ -1,0 +1,67 @@
+"""`node status`: the swarm of a run as it stands (peers, their step, samples/s, role)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from hivemind import DHT
+from hivemind.utils.timed_storage import get_dht_time
+
+from ..protocol.errors import RunNotFound, UsageError
+from .join import check_run_id, fetch_spec
+from .trainer import read_view
+
+
+async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> dict:
+    """Spec and live progress reports of a run, read through a client-mode DHT node.
+
+    Raises:
+        RunNotFound: no peer reachable, or the run is unknown to them.
+    """
+    try:
+        dht = await asyncio.to_thread(DHT, initial_peers=list(initial_peers), start=True, client_mode=True,
+                                      startup_timeout=timeout)
+    except Exception as e:
+        raise RunNotFound(f"could not reach any of the peers {', '.join(initial_peers)}: {e}") from None
+    try:
+        signed = await fetch_spec(dht, run_id, timeout=timeout)
+        if signed is None:
+            raise RunNotFound(f"run {run_id!r} was not found at the given peers")
+        view = await read_view(dht, run_id)
+        now = get_dht_time()
+        peers = [dict(peer_id=p, role=r.role.value, step=r.step, samples=r.samples,
+                      samples_per_second=round(r.samples_per_second, 2), state_hash=r.state_hash,
+                      age_s=round(max(0.0, now - r.time), 1), finished=r.finished)
+                 for p, r in sorted(view.reports.items(), key=lambda kv: (-kv[1].step, kv[0]))]
+        spec = signed.spec
+        return dict(run_id=run_id, task=spec.task, spec_hash=spec.spec_hash(), total_steps=spec.total_steps,
+                    target_batch_size=spec.target_batch_size, step=view.newest_step,
+                    samples_per_second=round(sum(p["samples_per_second"] for p in peers if p["role"] == "trainer"), 2),
+                    finished=view.finished(), peers=peers)
+    finally:
+        await asyncio.to_thread(dht.shutdown)
+
+
+def run_status(args, events) -> int:
+    from .cli import _run_async, swarm_config
+
+    check_run_id(args.run_id)
+    config = swarm_config(args)
+    if not config.initial_peers:
+        raise UsageError("give --peers MADDR (or SWARMRUN_PEERS) of a peer of the run")
+    status = _run_async(gather_status(args.run_id, config.initial_peers))
+    if events.json_mode:
+        events.emit("status", **status)
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"run {status['run_id']} ({status['task']}): step {status['step']}/{status['total_steps']}, "
+                        f"{status['samples_per_second']} samples/s{', finished' if status['finished'] else ''}")
+    for col in ("peer", "role", "step", "samples", "samples/s", "state_hash", "age"):
+        table.add_column(col)
+    for p in status["peers"]:
+        table.add_row(p["peer_id"][-10:], p["role"], str(p["step"]), str(p["samples"]), str(p["samples_per_second"]),
+                      p["state_hash"][:12], f"{p['age_s']}s")
+    events.console.print(table)
+    return 0

@@ -1,0 +1,165 @@
+"""Swarm setup on hivemind: the peer's identity, its DHT + P2P, and process hygiene.
+
+One identity per peer: the RSA key in the state directory is the p2pd identity (hence the peer id)
+and the key that signs what the peer publishes (the spec of a run it creates).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import psutil
+from hivemind import DHT
+from hivemind.p2p import P2P
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.multiaddr import Multiaddr
+
+from ..protocol.errors import RunNotFound, SwarmrunError, UsageError
+
+IDENTITY_FILE = "identity.key"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwarmConfig:
+    """How a peer joins the swarm."""
+
+    state_dir: Path
+    initial_peers: tuple[str, ...] = ()
+    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce: tuple[str, ...] = ()
+    bootstrap_timeout: float = 15.0  # seconds to reach the initial peers
+
+
+def parse_maddrs(values: Sequence[str], *, what: str) -> tuple[str, ...]:
+    """Validate multiaddrs given by a user.
+
+    Raises:
+        UsageError: one of them is not a multiaddr.
+    """
+    out = []
+    for value in values:
+        try:
+            Multiaddr(value)
+        except Exception as e:  # multiaddr raises several unrelated types
+            raise UsageError(f"{what}: {value!r} is not a multiaddr ({e}); expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...") from None
+        out.append(value)
+    return tuple(out)
+
+
+def ensure_identity(state_dir: Path) -> tuple[str, RSAPrivateKey]:
+    """The path of this peer's identity file (created on first use) and its private key.
+
+    Raises:
+        UsageError: the state directory cannot be created or the identity cannot be read.
+    """
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create state directory {state_dir}: {e.strerror}") from None
+    path = state_dir / IDENTITY_FILE
+    if not path.exists():
+        P2P.generate_identity(str(path))
+    try:
+        proto = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+        key = RSAPrivateKey.__new__(RSAPrivateKey)
+        key.__setstate__({"_private_key": proto.data})
+    except Exception as e:
+        raise UsageError(f"identity file {path} is unreadable or not an RSA key: {e}") from None
+    return str(path), key
+
+
+def public_key_bytes(key: RSAPrivateKey) -> bytes:
+    return key.get_public_key().to_bytes()
+
+
+def verify_signature(public_key: bytes, data: bytes, signature: bytes) -> bool:
+    """The verifier injected into ``protocol.spec.SignedSpec.verify``."""
+    try:
+        return RSAPublicKey.from_bytes(public_key).verify(data, signature)
+    except Exception:
+        return False
+
+
+def sweep_stale_sockets(tmp: str = "/tmp") -> int:
+    """Remove ``hivemind-*.sock`` files whose daemon is dead (nobody accepts on them). Returns the count."""
+    removed = 0
+    for path in glob.glob(os.path.join(tmp, "hivemind-*.sock")):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(0.2)
+            try:
+                s.connect(path)
+                continue  # alive
+            except (ConnectionRefusedError, FileNotFoundError):
+                pass
+            except OSError:
+                continue  # busy or unknown: leave it
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def start_dht(config: SwarmConfig) -> tuple[DHT, RSAPrivateKey]:
+    """Start this peer's DHT (and its p2pd) with its identity.
+
+    Raises:
+        UsageError: a busy port, an identity in use by another live peer.
+        RunNotFound: none of the initial peers could be reached.
+    """
+    identity_path, key = ensure_identity(config.state_dir)
+    sweep_stale_sockets()
+    kwargs = dict(
+        initial_peers=list(config.initial_peers) or None,
+        start=True,
+        host_maddrs=list(config.listen),
+        identity_path=identity_path,
+        client_mode=False,
+        startup_timeout=config.bootstrap_timeout,
+    )
+    if config.announce:
+        kwargs["announce_maddrs"] = list(config.announce)
+    try:
+        dht = DHT(**kwargs)
+    except Exception as e:
+        raise _classify_start_error(e, config) from None
+    return dht, key
+
+
+def _classify_start_error(e: Exception, config: SwarmConfig) -> SwarmrunError:
+    text = str(e)
+    low = text.lower()
+    if "already taken" in low:
+        return UsageError(f"the identity in {config.state_dir} is in use by another live peer; give each peer its own --state-dir")
+    if "address already in use" in low or "bind" in low:
+        return UsageError(f"cannot listen on {', '.join(config.listen)}: address already in use")
+    if config.initial_peers and ("failed to connect" in low or "bootstrap" in low or "timeout" in low or "no peers" in low):
+        return RunNotFound(f"could not reach any of the peers {', '.join(config.initial_peers)}: {text.splitlines()[0] if text else type(e).__name__}")
+    return SwarmrunError(f"could not start the swarm: {type(e).__name__}: {text.splitlines()[0] if text else ''}")
+
+
+def kill_descendants(timeout: float = 3.0, pid: Optional[int] = None) -> None:
+    """End every process below ``pid`` (default: this one): hivemind's DHT and averager processes and their
+    ``p2pd``, which outlive their parent otherwise. SIGTERM, then SIGKILL after ``timeout``."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=timeout)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass

@@ -1,0 +1,93 @@
+"""All errors of swarmrun, and the reasons a peer refuses a request.
+
+Each error class carries the process ``exit_code`` that the CLI uses when the
+error reaches it. Protocol errors follow h11: ``LocalProtocolError`` when we were
+about to send something invalid, ``RemoteProtocolError`` when bytes from a peer
+were malformed, oversized or invalid.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = [
+    "SwarmrunError",
+    "UsageError",
+    "RunNotFound",
+    "AccessRefused",
+    "IncompatibleState",
+    "ProtocolError",
+    "LocalProtocolError",
+    "RemoteProtocolError",
+    "Reject",
+    "Rejection",
+]
+
+
+class SwarmrunError(Exception):
+    """Base class of every error swarmrun raises on purpose."""
+
+    exit_code = 1
+
+
+class UsageError(SwarmrunError):
+    """The user asked for something invalid (bad flag, forbidden amendment, ...)."""
+
+    exit_code = 2
+
+
+class RunNotFound(SwarmrunError):
+    """No spec, provider or snapshot could be found for the run."""
+
+    exit_code = 3
+
+
+class AccessRefused(SwarmrunError):
+    """The run's access policy does not admit this peer."""
+
+    exit_code = 4
+
+
+class IncompatibleState(SwarmrunError):
+    """A state, spec or snapshot is incompatible with this run, or corrupt."""
+
+    exit_code = 5
+
+
+class ProtocolError(SwarmrunError):
+    """A message violates the protocol."""
+
+    exit_code = 5
+
+
+class LocalProtocolError(ProtocolError):
+    """We were about to send something invalid (a bug on our side)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """Bytes received from a peer were malformed, oversized or invalid."""
+
+
+class Reject(enum.Enum):
+    """Reasons a peer refuses another peer's request."""
+
+    MALFORMED = "malformed"
+    WRONG_SPEC = "wrong_spec"
+    WRONG_STEP = "wrong_step"
+    NOT_ADMITTED = "not_admitted"
+    BUSY = "busy"
+    UNKNOWN_STATE = "unknown_state"
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A refusal: the reason and a human-readable detail."""
+
+    reason: Reject
+    detail: str = ""
+
+    def __str__(self) -> str:
+        if self.detail:
+            return f"{self.reason.value}: {self.detail}"
+        return self.reason.value

@@ -1,0 +1,307 @@
+"""The collective round, sans-IO: the metadata gathered in a round, progress reports, the commit vote.
+
+A round is one attempt at a step: matchmaking, all-reduce, commit vote. Each participant sends a
+``RoundMeta`` in hivemind's gathered metadata; every participant decides, from the same gathered list,
+the same averaging weights and the same set of blocks the step applies (``decide_claims``). After the
+all-reduce each participant publishes a ``Vote``; ``decide_commit`` commits only a complete round whose
+votes agree and whose group holds a majority of the run's live trainers.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+from .codec import pack, unpack
+from .cursor import DataCursor, RangeSet, block_examples
+from .errors import Reject, Rejection, RemoteProtocolError
+
+ROUND_VERSION = 1
+MAX_META_BYTES = 64 * 1024
+MAX_REPORT_BYTES = 8 * 1024
+
+# DHT keys of a run (values are signed by the writer's key once access control lands)
+def progress_key(run_id: str) -> str:
+    """Subkey per peer: its ``ProgressReport``."""
+    return f"swarmrun.{run_id}.progress"
+
+
+def vote_key(run_id: str, step: int) -> str:
+    """Subkey per peer: its ``Vote`` for the round that would make ``step`` -> ``step + 1``."""
+    return f"swarmrun.{run_id}.vote.{step}"
+
+
+def spec_key(run_id: str) -> str:
+    """The run's signed spec."""
+    return f"swarmrun.{run_id}.spec"
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise RemoteProtocolError(what)
+
+
+def _int(d: Mapping, key: str, lo: int = 0, hi: int = 2**62) -> int:
+    v = d.get(key)
+    _require(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, f"{key} must be an int in [{lo}, {hi}]")
+    return v
+
+
+def _str(d: Mapping, key: str, max_len: int = 256) -> str:
+    v = d.get(key)
+    _require(isinstance(v, str) and len(v) <= max_len, f"{key} must be a string of at most {max_len} chars")
+    return v
+
+
+def _float(d: Mapping, key: str) -> float:
+    v = d.get(key)
+    _require(isinstance(v, (int, float)) and not isinstance(v, bool), f"{key} must be a number")
+    v = float(v)
+    _require(v == v and abs(v) != float("inf"), f"{key} must be finite")
+    return v
+
+
+class Role(str, enum.Enum):
+    TRAINER = "trainer"
+    KEEPER = "keeper"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundMeta:
+    """What one participant contributes to a round's gathered metadata."""
+
+    spec_hash: str
+    step: int  # the step the participant's state is at; the round makes step -> step + 1
+    samples: int  # samples whose gradients the participant accumulated (its claimed blocks' examples)
+    blocks: RangeSet  # the blocks it claims, of the cursor's current data epoch
+    data_epoch: int
+    grad_norm: float = 0.0  # declared norm of its contribution (checked by reducers once access control lands)
+    certificate: bytes = b""  # reserved: access certificate
+    version: int = ROUND_VERSION
+
+    def encode(self) -> bytes:
+        return pack(
+            dict(
+                type="round_meta",
+                version=self.version,
+                spec_hash=self.spec_hash,
+                step=self.step,
+                samples=self.samples,
+                blocks=self.blocks.to_list(),
+                data_epoch=self.data_epoch,
+                grad_norm=self.grad_norm,
+                certificate=self.certificate,
+            )
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> "RoundMeta":
+        d = unpack(data, max_size=MAX_META_BYTES)
+        _require(isinstance(d, dict) and d.get("type") == "round_meta", "not a round_meta message")
+        _require(d.get("version") == ROUND_VERSION, f"unsupported round_meta version {d.get('version')!r}")
+        cert = d.get("certificate", b"")
+        _require(isinstance(cert, bytes), "certificate must be bytes")
+        return cls(
+            spec_hash=_str(d, "spec_hash", 128),
+            step=_int(d, "step"),
+            samples=_int(d, "samples", 0, 2**40),
+            blocks=RangeSet.from_list(d.get("blocks")),
+            data_epoch=_int(d, "data_epoch"),
+            grad_norm=_float(d, "grad_norm"),
+            certificate=cert,
+        )
+
+
+def check_round_meta(meta: RoundMeta, *, spec_hash: str, step: int) -> Optional[Rejection]:
+    """Admission of a participant into a round (before any tensor moves): same spec, same step."""
+    if meta.spec_hash != spec_hash:
+        return Rejection(Reject.WRONG_SPEC, f"spec hash {meta.spec_hash[:12]} != {spec_hash[:12]}")
+    if meta.step != step:
+        return Rejection(Reject.WRONG_STEP, f"participant is at step {meta.step}, this round is for step {step}")
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClaimDecision:
+    """The outcome of the claims of a round: identical on every participant."""
+
+    weights: tuple[float, ...]  # averaging weight per participant (in gathered order): its samples, or 0
+    applied: RangeSet  # the union of accepted claims: the blocks this step applies
+    samples: int  # total samples of accepted claims
+    refused: tuple[int, ...]  # indices of participants whose claims overlapped (weight 0)
+
+
+def claim_samples(blocks: RangeSet, cursor: DataCursor) -> int:
+    """Number of examples in these blocks (the last block of the dataset may be short)."""
+    return sum(len(block_examples(b, cursor.block_size, cursor.num_examples)) for b in blocks)
+
+
+def _claim_valid(meta: RoundMeta, cursor: DataCursor) -> bool:
+    if meta.data_epoch != cursor.data_epoch:
+        return False
+    if meta.blocks.is_empty:
+        return meta.samples == 0
+    if meta.blocks.ranges[0][0] < 0 or meta.blocks.ranges[-1][1] > cursor.num_blocks:
+        return False
+    if not meta.blocks.intersect(cursor.applied).is_empty:
+        return False
+    # the weight is what the claimed blocks hold, never a number the participant merely declares
+    return meta.samples == claim_samples(meta.blocks, cursor)
+
+
+def decide_claims(metas: Sequence[RoundMeta], cursor: DataCursor) -> ClaimDecision:
+    """Accept each participant's claim unless it overlaps an applied block or another participant's claim.
+
+    A claim from another data epoch than the cursor's, outside the dataset, or whose declared sample count
+    differs from what its blocks hold, is refused as a whole. The weight of an accepted participant is the
+    sample count of its blocks; a refused one contributes with weight 0.
+    """
+    refused = {i for i, meta in enumerate(metas) if not _claim_valid(meta, cursor)}
+    for i in range(len(metas)):
+        for j in range(i + 1, len(metas)):
+            if not metas[i].blocks.intersect(metas[j].blocks).is_empty:
+                refused.update((i, j))
+    applied = RangeSet()
+    samples = 0
+    weights = []
+    for i, meta in enumerate(metas):
+        if i in refused:
+            weights.append(0.0)
+        else:
+            weights.append(float(meta.samples))
+            applied = applied.add(meta.blocks)
+            samples += meta.samples
+    return ClaimDecision(weights=tuple(weights), applied=applied, samples=samples, refused=tuple(sorted(refused)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Vote:
+    """A participant's report on a finished all-reduce: what it would commit."""
+
+    step: int
+    group_id: str  # hex
+    grad_hash: str  # sha256 of the averaged gradient it holds
+    ok: bool  # its all-reduce was complete (no failed reducer, no banned sender, finite average)
+    reason: str = ""
+
+    def encode(self) -> bytes:
+        return pack(dict(type="vote", version=ROUND_VERSION, step=self.step, group_id=self.group_id,
+                         grad_hash=self.grad_hash, ok=self.ok, reason=self.reason[:200]))
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Vote":
+        d = unpack(data, max_size=4096)
+        _require(isinstance(d, dict) and d.get("type") == "vote" and d.get("version") == ROUND_VERSION, "not a vote")
+        _require(isinstance(d.get("ok"), bool), "ok must be a bool")
+        return cls(step=_int(d, "step"), group_id=_str(d, "group_id", 128), grad_hash=_str(d, "grad_hash", 128),
+                   ok=d["ok"], reason=_str(d, "reason", 200))
+
+
+@dataclass(frozen=True)
+class Commit:
+    pass
+
+
+@dataclass(frozen=True)
+class Abandon:
+    reason: str
+
+
+def decide_commit(
+    *,
+    mine: Vote,
+    votes: Mapping[str, Vote],
+    group: Sequence[str],
+    live_trainers: int,
+    samples: int,
+    target_batch_size: int,
+) -> Commit | Abandon:
+    """Commit iff every member of the group voted ok for the same (step, group, gradient), the group holds a
+    majority of the live trainers, and the accepted samples reach the target batch size.
+
+    Args:
+        mine: this participant's vote.
+        votes: the votes seen so far, by peer id (may include strangers: they are ignored).
+        group: peer ids of the round's participants.
+        live_trainers: trainers of the run with a live progress report (this peer included).
+        samples: accepted samples of the round (``ClaimDecision.samples``).
+    """
+    if not mine.ok:
+        return Abandon(f"local all-reduce incomplete: {mine.reason}")
+    missing = [p for p in group if p not in votes]
+    if missing:
+        return Abandon(f"{len(missing)} of {len(group)} participants did not vote")
+    for peer in group:
+        vote = votes[peer]
+        if not vote.ok:
+            return Abandon(f"participant {peer[-6:]} reports an incomplete all-reduce: {vote.reason}")
+        if (vote.step, vote.group_id, vote.grad_hash) != (mine.step, mine.group_id, mine.grad_hash):
+            return Abandon(f"participant {peer[-6:]} holds a different averaged gradient")
+    if len(group) < live_trainers // 2 + 1:
+        return Abandon(f"group of {len(group)} is not a majority of {live_trainers} live trainers")
+    if samples < target_batch_size:
+        return Abandon(f"round carries {samples} samples, fewer than target_batch_size={target_batch_size}")
+    return Commit()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgressReport:
+    """A peer's periodic report in the DHT: where it is, how fast it goes, what it can serve."""
+
+    step: int
+    samples: int  # samples accumulated towards the next step
+    samples_per_second: float
+    role: Role
+    state_hash: str  # of its state at `step`
+    time: float  # the reporter's DHT time
+    maddrs: tuple[str, ...] = ()
+    finished: bool = False  # the run reached total_steps
+
+    def encode(self) -> bytes:
+        return pack(dict(type="progress", version=ROUND_VERSION, step=self.step, samples=self.samples,
+                         sps=self.samples_per_second, role=self.role.value, state_hash=self.state_hash,
+                         time=self.time, maddrs=list(self.maddrs[:8]), finished=self.finished))
+
+    @classmethod
+    def decode(cls, data: bytes) -> "ProgressReport":
+        d = unpack(data, max_size=MAX_REPORT_BYTES)
+        _require(isinstance(d, dict) and d.get("type") == "progress" and d.get("version") == ROUND_VERSION,
+                 "not a progress report")
+        maddrs = d.get("maddrs", [])
+        _require(isinstance(maddrs, list) and all(isinstance(m, str) and len(m) < 512 for m in maddrs), "maddrs")
+        _require(d.get("role") in {r.value for r in Role}, "role")
+        _require(isinstance(d.get("finished", False), bool), "finished")
+        return cls(step=_int(d, "step"), samples=_int(d, "samples", 0, 2**40), samples_per_second=_float(d, "sps"),
+                   role=Role(d["role"]), state_hash=_str(d, "state_hash", 128), time=_float(d, "time"),
+                   maddrs=tuple(maddrs), finished=d.get("finished", False))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwarmView:
+    """What a peer knows of the run from the live progress reports (its own included)."""
+
+    reports: Mapping[str, ProgressReport] = field(default_factory=dict)
+
+    @property
+    def trainers(self) -> dict[str, ProgressReport]:
+        return {p: r for p, r in self.reports.items() if r.role == Role.TRAINER}
+
+    @property
+    def newest_step(self) -> int:
+        return max((r.step for r in self.reports.values()), default=0)
+
+    def samples_at(self, step: int) -> int:
+        return sum(r.samples for r in self.trainers.values() if r.step == step)
+
+    def finished(self) -> bool:
+        return any(r.finished for r in self.reports.values())
+
+
+def should_start_round(view: SwarmView, *, me: str, step: int, samples: int, target_batch_size: int) -> bool:
+    """Enter matchmaking once the trainers at our step together report at least ``target_batch_size``
+    samples (our own count taken from ``samples``, not from our possibly stale report). Never on an ETA."""
+    if samples <= 0:
+        return False
+    others = sum(r.samples for p, r in view.trainers.items() if r.step == step and p != me)
+    return others + samples >= target_batch_size

@@ -1,0 +1,278 @@
+"""The spec: the immutable, owner-signed description of a run.
+
+Crypto is injected as callables (``signer(data) -> signature`` and
+``verifier(public_key, data, signature) -> bool``) so this module stays free of
+hivemind. The signature covers ``Spec.unsigned_bytes()``; ``spec_hash`` is the
+sha256 of the same bytes and is part of every state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarmrun.protocol.codec import pack, unpack
+from swarmrun.protocol.errors import (
+    IncompatibleState,
+    LocalProtocolError,
+    RemoteProtocolError,
+    UsageError,
+)
+
+__all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "Spec", "SignedSpec", "amend"]
+
+SPEC_VERSION = 1
+ACCESS_POLICIES = ("open", "invite")
+MAX_SPEC_SIZE = 1 << 20
+
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_REQUIRED_POSITIVE_HPARAMS = ("target_batch_size", "total_steps", "block_size")
+# block_size fixes the unit of data accounting: changing it would orphan the cursor.
+_FIXED_HPARAMS = ("block_size",)
+_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
+
+Scalar = str | int | float | bool
+_SPEC_KEYS = frozenset({
+    "type", "version", "run_id", "task", "task_version", "task_args", "hparams", "seed",
+    "data_fingerprint", "num_examples", "owner_key", "access", "created_at",
+})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_scalars(name: str, mapping: Any) -> dict[str, Scalar]:
+    if not isinstance(mapping, Mapping):
+        raise UsageError(f"spec field {name} must be a mapping, got {type(mapping).__name__}")
+    out: dict[str, Scalar] = {}
+    for key in sorted(mapping, key=lambda k: (not isinstance(k, str), str(k))):
+        value = mapping[key]
+        if not isinstance(key, str) or not key:
+            raise UsageError(f"spec field {name} has a key {key!r} that is not a non-empty str")
+        if not isinstance(value, (str, int, float, bool)):
+            raise UsageError(f"spec field {name}[{key!r}] must be str, int, float or bool, got {type(value).__name__}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"spec field {name}[{key!r}] is not finite")
+        if _is_int(value) and not _INT64_MIN <= value <= _UINT64_MAX:
+            raise UsageError(f"spec field {name}[{key!r}] is out of the 64-bit range")
+        out[key] = value
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """The immutable description of a run (see the glossary in ``swarmrun.protocol``).
+
+    ``hparams`` must hold positive ints ``target_batch_size``, ``total_steps``
+    and ``block_size``. Construction validates every field.
+
+    Raises:
+        UsageError: a field is missing, of the wrong type or out of range.
+    """
+
+    run_id: str
+    task: str
+    task_version: str
+    task_args: Mapping[str, Scalar]
+    hparams: Mapping[str, Scalar]
+    seed: int
+    data_fingerprint: str
+    num_examples: int
+    owner_key: bytes
+    access: str = "open"
+    created_at: float = 0.0
+    version: int = SPEC_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not _RUN_ID.fullmatch(self.run_id):
+            raise UsageError(f"run_id {self.run_id!r} must match [A-Za-z0-9_-]{{1,64}}")
+        for name in ("task", "task_version"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise UsageError(f"spec field {name} must be a non-empty str")
+        if not isinstance(self.data_fingerprint, str):
+            raise UsageError("spec field data_fingerprint must be a str")
+        object.__setattr__(self, "task_args", _check_scalars("task_args", self.task_args))
+        object.__setattr__(self, "hparams", _check_scalars("hparams", self.hparams))
+        for name in _REQUIRED_POSITIVE_HPARAMS:
+            value = self.hparams.get(name)
+            if not _is_int(value) or value <= 0:
+                raise UsageError(f"hparams[{name!r}] must be a positive int, got {value!r}")
+        if not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _UINT64_MAX:
+            raise UsageError(f"seed must be an int in the 64-bit range, got {self.seed!r}")
+        if not _is_int(self.num_examples) or not 0 < self.num_examples <= _UINT64_MAX:
+            raise UsageError(f"num_examples must be a positive int, got {self.num_examples!r}")
+        if isinstance(self.owner_key, (bytearray, memoryview)):
+            object.__setattr__(self, "owner_key", bytes(self.owner_key))
+        if not isinstance(self.owner_key, bytes):
+            raise UsageError("owner_key must be bytes")
+        if self.access not in ACCESS_POLICIES:
+            raise UsageError(f"access must be one of {ACCESS_POLICIES}, got {self.access!r}")
+        if _is_int(self.created_at):
+            object.__setattr__(self, "created_at", float(self.created_at))
+        if not isinstance(self.created_at, float) or not math.isfinite(self.created_at):
+            raise UsageError("created_at must be a finite float")
+        if self.version != SPEC_VERSION:
+            raise UsageError(f"spec version {self.version!r} is not supported (this build reads {SPEC_VERSION})")
+
+    def __hash__(self) -> int:
+        # the generated hash would fail on the dict fields
+        return hash(self.unsigned_bytes())
+
+    @property
+    def target_batch_size(self) -> int:
+        """Samples the swarm processes together per step."""
+        return int(self.hparams["target_batch_size"])
+
+    @property
+    def total_steps(self) -> int:
+        """Steps after which the run is complete."""
+        return int(self.hparams["total_steps"])
+
+    @property
+    def block_size(self) -> int:
+        """Examples per block of the data order."""
+        return int(self.hparams["block_size"])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the plain, msgpack-able form (keys sorted on encode)."""
+        return {
+            "type": "spec",
+            "version": self.version,
+            "run_id": self.run_id,
+            "task": self.task,
+            "task_version": self.task_version,
+            "task_args": dict(self.task_args),
+            "hparams": dict(self.hparams),
+            "seed": self.seed,
+            "data_fingerprint": self.data_fingerprint,
+            "num_examples": self.num_examples,
+            "owner_key": self.owner_key,
+            "access": self.access,
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Spec:
+        """Build a spec from its plain form, validating everything.
+
+        Raises:
+            RemoteProtocolError: ``d`` is not a valid spec of this version.
+        """
+        if not isinstance(d, Mapping):
+            raise RemoteProtocolError(f"spec must be a map, got {type(d).__name__}")
+        if set(d) != _SPEC_KEYS:
+            raise RemoteProtocolError(f"spec keys differ from the expected ones: {sorted(map(str, set(d) ^ _SPEC_KEYS))}")
+        if d["type"] != "spec":
+            raise RemoteProtocolError(f"expected a spec, got type {d['type']!r}")
+        kwargs = {key: value for key, value in d.items() if key != "type"}
+        try:
+            return cls(**kwargs)
+        except UsageError as exc:
+            raise RemoteProtocolError(f"invalid spec: {exc}") from None
+
+    def unsigned_bytes(self) -> bytes:
+        """Return the deterministic encoding the owner signs."""
+        return pack(self.to_dict())
+
+    def spec_hash(self) -> str:
+        """Return the sha256 hex digest of ``unsigned_bytes()``."""
+        return hashlib.sha256(self.unsigned_bytes()).hexdigest()
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class SignedSpec:
+    """A spec with the owner's signature over ``spec.unsigned_bytes()``.
+
+    ``certificates`` is reserved for access certificates: carried, not checked here.
+    """
+
+    spec: Spec
+    signature: bytes
+    certificates: tuple = field(default=())
+
+    @classmethod
+    def sign(cls, spec: Spec, signer: Callable[[bytes], bytes]) -> SignedSpec:
+        """Sign ``spec`` with ``signer(data) -> signature`` (the owner's private key)."""
+        return cls(spec=spec, signature=bytes(signer(spec.unsigned_bytes())))
+
+    def verify(self, verifier: Callable[[bytes, bytes, bytes], bool]) -> None:
+        """Check the signature with ``verifier(public_key, data, signature) -> bool``.
+
+        Raises:
+            IncompatibleState: the signature does not verify against ``spec.owner_key``.
+        """
+        try:
+            ok = verifier(self.spec.owner_key, self.spec.unsigned_bytes(), self.signature)
+        except Exception as exc:  # a crypto library's error on a malformed key or signature
+            raise IncompatibleState(
+                f"spec signature does not verify for run {self.spec.run_id!r}: {type(exc).__name__}: {exc}"
+            ) from None
+        if ok is not True:
+            raise IncompatibleState(
+                f"spec signature does not verify for run {self.spec.run_id!r} against the owner's key"
+            )
+
+    def encode(self) -> bytes:
+        """Return the msgpack encoding of the signed spec.
+
+        Raises:
+            LocalProtocolError: a certificate cannot be encoded.
+        """
+        if not isinstance(self.signature, bytes):
+            raise LocalProtocolError("signature must be bytes")
+        return pack({
+            "type": "signed_spec",
+            "version": SPEC_VERSION,
+            "spec": self.spec.to_dict(),
+            "signature": self.signature,
+            "certificates": list(self.certificates),
+        })
+
+    @classmethod
+    def decode(cls, data: bytes, *, max_size: int = MAX_SPEC_SIZE) -> SignedSpec:
+        """Decode and validate a signed spec (the signature is not checked: see ``verify``).
+
+        Raises:
+            RemoteProtocolError: the bytes are not a valid signed spec.
+        """
+        d = unpack(data, max_size=max_size)
+        if not isinstance(d, dict) or set(d) != {"type", "version", "spec", "signature", "certificates"}:
+            raise RemoteProtocolError("signed spec must be a map with keys type, version, spec, signature, certificates")
+        if d["type"] != "signed_spec" or d["version"] != SPEC_VERSION:
+            raise RemoteProtocolError(f"unsupported message {d['type']!r} version {d['version']!r}")
+        if not isinstance(d["signature"], bytes):
+            raise RemoteProtocolError("signature must be bytes")
+        if not isinstance(d["certificates"], list):
+            raise RemoteProtocolError("certificates must be a list")
+        return cls(spec=Spec.from_dict(d["spec"]), signature=d["signature"], certificates=tuple(d["certificates"]))
+
+
+def amend(spec: Spec, **changes: Any) -> Spec:
+    """Return ``spec`` with hyperparameters changed; nothing else may change.
+
+    Each keyword is an hparam name (``amend(spec, lr=0.1, total_steps=2000)``),
+    or ``hparams=`` replaces the whole mapping (individual keywords then apply on
+    top). ``block_size`` is fixed for the life of a run.
+
+    Raises:
+        UsageError: a keyword names another spec field, ``block_size`` would
+            change, or the result is not a valid spec.
+    """
+    fields = {f.name for f in dataclasses.fields(Spec)} - {"hparams"}
+    forbidden = sorted(set(changes) & fields)
+    if forbidden:
+        raise UsageError(f"amend changes hyperparameters only; cannot change {', '.join(forbidden)}")
+    hparams = dict(changes.pop("hparams", spec.hparams))
+    hparams.update(changes)
+    for name in _FIXED_HPARAMS:
+        if hparams.get(name) != spec.hparams[name]:
+            raise UsageError(f"{name} is fixed for the life of a run (the data cursor counts blocks of it)")
+    return dataclasses.replace(spec, hparams=hparams)

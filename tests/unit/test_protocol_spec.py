@@ -1,0 +1,151 @@
+"""Tests of swarmrun.protocol.spec."""
+
+import hmac
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmrun.protocol.codec import pack, unpack
+from swarmrun.protocol.errors import IncompatibleState, RemoteProtocolError, UsageError
+from swarmrun.protocol.spec import SignedSpec, Spec, amend
+
+KEY = b"owner-key"
+HPARAMS = {"lr": 0.001, "target_batch_size": 64, "total_steps": 100, "block_size": 16}
+
+
+def make_spec(**changes):
+    fields = dict(run_id="run-1", task="toy", task_version="1.0", task_args={"width": 8, "act": "relu"},
+                  hparams=HPARAMS, seed=7, data_fingerprint="sha256:abc", num_examples=1000, owner_key=KEY)
+    fields.update(changes)
+    return Spec(**fields)
+
+
+# An HMAC stands in for the owner's signature: the protocol only sees callables.
+def signer(data):
+    return hmac.new(KEY, data, "sha256").digest()
+
+
+def verifier(public_key, data, signature):
+    return hmac.compare_digest(hmac.new(public_key, data, "sha256").digest(), signature)
+
+
+def test_properties_and_plain_dicts():
+    spec = make_spec()
+    assert (spec.target_batch_size, spec.total_steps, spec.block_size) == (64, 100, 16)
+    assert type(spec.hparams) is dict and list(spec.task_args) == ["act", "width"]
+
+
+def test_hash_independent_of_mapping_order():
+    a = make_spec(hparams=dict(reversed(list(HPARAMS.items()))))
+    assert a.unsigned_bytes() == make_spec().unsigned_bytes()
+    assert a.spec_hash() == make_spec().spec_hash() and hash(a) == hash(make_spec())
+
+
+@pytest.mark.parametrize("change", [
+    dict(run_id="run-2"), dict(task="other"), dict(task_args={"width": 9, "act": "relu"}), dict(seed=8),
+    dict(hparams={**HPARAMS, "lr": 0.002}), dict(data_fingerprint="x"), dict(num_examples=999),
+    dict(owner_key=b"other"), dict(access="invite"), dict(created_at=1.0),
+])
+def test_hash_covers_every_field(change):
+    assert make_spec(**change).spec_hash() != make_spec().spec_hash()
+
+
+@pytest.mark.parametrize("change", [
+    dict(run_id="bad id"), dict(run_id=""), dict(run_id="x" * 65), dict(task=""),
+    dict(hparams={"lr": 0.1}), dict(hparams={**HPARAMS, "block_size": 0}),
+    dict(hparams={**HPARAMS, "total_steps": True}), dict(hparams={**HPARAMS, "lr": None}),
+    dict(hparams={**HPARAMS, "lr": float("nan")}), dict(task_args={1: 2}), dict(seed=1.5),
+    dict(num_examples=0), dict(owner_key="str"), dict(access="closed"), dict(version=2),
+])
+def test_invalid_fields(change):
+    with pytest.raises(UsageError):
+        make_spec(**change)
+
+
+def test_dict_roundtrip():
+    spec = make_spec(access="invite", created_at=12.5)
+    assert Spec.from_dict(unpack(pack(spec.to_dict()))) == spec
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda d: d.pop("seed"),
+    lambda d: d.update(extra=1),
+    lambda d: d.update(type="manifest"),
+    lambda d: d.update(seed="7"),
+    lambda d: d.update(hparams=[1]),
+    lambda d: d.update(run_id="../../etc"),
+    lambda d: d.update(version=99),
+    lambda d: d.update(created_at=True),
+])
+def test_from_dict_rejects(mutate):
+    d = make_spec().to_dict()
+    mutate(d)
+    with pytest.raises(RemoteProtocolError):
+        Spec.from_dict(d)
+
+
+def test_sign_verify_encode_decode():
+    signed = SignedSpec.sign(make_spec(), signer)
+    decoded = SignedSpec.decode(signed.encode())
+    assert decoded == signed
+    decoded.verify(verifier)
+
+
+def test_verify_fails_on_tampering():
+    signed = SignedSpec.sign(make_spec(), signer)
+    forged = SignedSpec(spec=make_spec(seed=8), signature=signed.signature)
+    with pytest.raises(IncompatibleState, match="spec signature does not verify"):
+        forged.verify(verifier)
+    with pytest.raises(IncompatibleState, match="spec signature does not verify"):
+        SignedSpec(spec=make_spec(), signature=b"x" * 32).verify(verifier)
+
+
+def test_verify_turns_verifier_errors_into_incompatible_state():
+    def broken(public_key, data, signature):
+        raise ValueError("bad key encoding")
+
+    with pytest.raises(IncompatibleState, match="bad key encoding"):
+        SignedSpec.sign(make_spec(), signer).verify(broken)
+
+
+def test_certificates_are_carried():
+    signed = SignedSpec(spec=make_spec(), signature=b"s", certificates=(b"cert-1", b"cert-2"))
+    assert SignedSpec.decode(signed.encode()).certificates == (b"cert-1", b"cert-2")
+
+
+def test_decode_rejects_truncated_and_wrong_type():
+    data = SignedSpec.sign(make_spec(), signer).encode()
+    for bad in (data[:-1], data[: len(data) // 2], pack([1, 2]), pack({"type": "signed_spec"})):
+        with pytest.raises(RemoteProtocolError):
+            SignedSpec.decode(bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.integers(0, 400), st.integers(0, 255))
+def test_decode_random_or_mutated_bytes(noise, position, byte):
+    data = bytearray(SignedSpec.sign(make_spec(), signer).encode())
+    data[position % len(data)] = byte
+    for candidate in (noise, bytes(data)):
+        try:
+            SignedSpec.decode(candidate)
+        except RemoteProtocolError:
+            pass
+
+
+def test_amend_hparams():
+    spec = make_spec()
+    amended = amend(spec, lr=0.01, total_steps=200)
+    assert amended.hparams == {**HPARAMS, "lr": 0.01, "total_steps": 200}
+    assert amended.task_args == spec.task_args and amended.seed == spec.seed
+    assert amended.spec_hash() != spec.spec_hash()
+    assert amend(spec, hparams={**HPARAMS, "warmup": 10}).hparams["warmup"] == 10
+
+
+@pytest.mark.parametrize("change", [
+    dict(task="other"), dict(task_args={}), dict(data_fingerprint="y"), dict(seed=1), dict(num_examples=5),
+    dict(block_size=32), dict(total_steps=0), dict(lr=[1]),
+])
+def test_amend_refuses(change):
+    with pytest.raises(UsageError):
+        amend(make_spec(), **change)
