@@ -168,7 +168,7 @@ class RoundAverager(DecentralizedAverager):
         self._round_step = step
         self._round_cursor = DataCursor.from_dict(cursor)
         # peers at different steps must never meet: the group key carries the step
-        self._matchmaking.group_key_manager.prefix = f"{self.prefix}.s{step}"
+        self._matchmaking.group_key_manager.prefix = f"{self.prefix}_s{step}"  # no "." in a group prefix
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext

@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--batch-size", type=int, default=16, help="samples per local gradient computation (default 16)")
     j.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     j.add_argument("--max-steps", type=int, default=None, help="leave once the run reaches step N")
+    j.add_argument("--min-peers", type=int, default=1, help="do not step until this many trainers are live")
     j.add_argument("--matchmaking-time", type=float, default=2.0, help="seconds to gather a group for a round")
     j.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
     j.add_argument("-v", "--verbose", action="store_true", help="debug logs, hivemind's included")
@@ -157,13 +158,15 @@ def _join(args, events) -> int:
         raise UsageError("--batch-size must be positive")
     if args.max_steps is not None and args.max_steps < 0:
         raise UsageError("--max-steps must be >= 0")
+    if args.min_peers < 1:
+        raise UsageError("--min-peers must be >= 1")
     if args.matchmaking_time <= 0:
         raise UsageError("--matchmaking-time must be positive")
     opts = JoinOptions(
         run_id=args.run_id, task=args.task, sets=parse_sets(args.sets),
         seed=args.seed if args.seed is not None else DEFAULT_SEED, swarm=swarm_config(args),
         trainer=TrainerConfig(batch_size=args.batch_size, device=args.device, max_steps=args.max_steps,
-                              matchmaking_time=args.matchmaking_time),
+                              matchmaking_time=args.matchmaking_time, min_peers=args.min_peers),
     )
     _run_async(run_peer(opts, events))
     return 0

@@ -26,7 +26,7 @@ from .output import Events, set_log_context
 from .state import RunState
 from .swarm import SwarmConfig, public_key_bytes, start_dht, verify_signature
 from .task import Task, TaskError, load_task_class
-from .trainer import Trainer, TrainerConfig, load_state_from_swarm, read_view
+from .trainer import Trainer, TrainerConfig, _await, load_state_from_swarm, read_view
 
 logger = logging.getLogger("swarmrun.join")
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -142,7 +142,7 @@ async def fetch_spec(dht: DHT, run_id: str, *, timeout: float) -> Optional[Signe
     """
     deadline = time.monotonic() + timeout
     while True:
-        found = await dht.get(spec_key(run_id), latest=True, return_future=True)
+        found = await _await(dht.get(spec_key(run_id), latest=True, return_future=True))
         if found is not None:
             try:
                 signed = SignedSpec.decode(found.value)
@@ -161,8 +161,8 @@ async def _publish_spec_forever(dht: DHT, signed: SignedSpec) -> None:
     """Every peer of a run keeps its signed spec in the DHT, so the run outlives its creator."""
     while True:
         try:
-            await dht.store(spec_key(signed.spec.run_id), signed.encode(), expiration_time=get_dht_time() + SPEC_TTL,
-                            return_future=True)
+            await _await(dht.store(spec_key(signed.spec.run_id), signed.encode(), expiration_time=get_dht_time() + SPEC_TTL,
+                            return_future=True))
         except Exception as e:
             logger.debug(f"could not publish spec: {e!r}")
         await asyncio.sleep(SPEC_TTL / 4)

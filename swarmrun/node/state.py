@@ -128,7 +128,9 @@ class RunState:
             self.model.load_state_dict({k: v.to(device) for k, v in new_model.items()})
         groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in content["optimizer"]["param_groups"]]
         self.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
-        self.scheduler.load_state_dict(dict(content["scheduler"]))
+        sched = self.scheduler.state_dict()  # keeps what is not state (lr_lambdas: functions of the task)
+        sched.update(content["scheduler"])
+        self.scheduler.load_state_dict(sched)
         self.cursor = DataCursor.from_dict(content["cursor"])
         self.step = manifest.step
 

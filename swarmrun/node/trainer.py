@@ -19,7 +19,7 @@ from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
 from ..protocol.cursor import RangeSet, block_examples
-from ..protocol.errors import IncompatibleState, ProtocolError
+from ..protocol.errors import IncompatibleState, ProtocolError, SwarmrunError
 from ..protocol.manifest import Manifest
 from ..protocol.round import (
     Abandon,
@@ -64,6 +64,7 @@ class TrainerConfig:
     state_timeout: float = 60.0
     mixed_precision: bool = True  # autocast to bf16 on CUDA
     max_failed_rounds: int = 50  # consecutive abandoned rounds before giving up
+    min_peers: int = 1  # do not step until this many trainers are live (a demo or test waiting for its peers)
 
 
 class Trainer:
@@ -142,6 +143,8 @@ class Trainer:
         try:
             await self._refresh_view()
             while True:
+                if not (self.dht.is_alive() and self.averager.is_alive()):
+                    raise SwarmrunError("hivemind's DHT or averager process died; leaving")
                 if self.state.step >= self.spec.total_steps or self.view.finished():
                     self.finished = True
                     return "finished"
@@ -155,6 +158,12 @@ class Trainer:
                 if self.config.role == Role.KEEPER:
                     await asyncio.sleep(self.config.report_interval)
                     continue
+                if len(self.view.trainers) < self.config.min_peers:
+                    if self.samples < self.spec.target_batch_size:
+                        await self._compute_once()
+                    else:
+                        await asyncio.sleep(self.config.report_interval)
+                    continue
                 if should_start_round(self.view, me=self.peer_id, step=self.state.step, samples=self.samples,
                                       target_batch_size=self.spec.target_batch_size):
                     await self.run_round()
@@ -162,7 +171,8 @@ class Trainer:
                     await self._compute_once()
         finally:
             reporter.cancel()
-            await self._publish_report()  # the last word: finished or where we stopped
+            if self.dht.is_alive():
+                await self._publish_report()  # the last word: finished or where we stopped
 
     def _behind(self) -> bool:
         others = [r for p, r in self.view.reports.items() if p != self.peer_id and r.role == Role.TRAINER]
@@ -172,7 +182,8 @@ class Trainer:
     def _take_blocks(self) -> list[int]:
         cursor = self.state.cursor
         count = max(1, math.ceil(self.config.batch_size / cursor.block_size))
-        blocks = cursor.next_blocks(count, exclude=self.claimed, start_hint=self.walk)
+        leased = self.view.leased(me=self.peer_id, step=self.state.step, data_epoch=cursor.data_epoch)
+        blocks = cursor.next_blocks(count, exclude=self.claimed.add(leased), start_hint=self.walk)
         if blocks:
             order_pos = cursor.num_blocks and (self.walk + len(blocks)) % cursor.num_blocks
             self.walk = order_pos
@@ -243,8 +254,7 @@ class Trainer:
         try:
             control = self.averager.step(gather=meta.encode(), weight=float(max(self.samples, 1)),
                                          timeout=self.config.averaging_timeout, allow_retries=True, wait=False)
-            outcome: RoundOutcome = await asyncio.wait_for(asyncio.wrap_future(_as_future(control)),
-                                                           self.config.averaging_timeout + 5)
+            outcome: RoundOutcome = await _await(control, self.config.averaging_timeout + 5)
         except Exception as e:
             self._abandon(f"no round formed: {type(e).__name__}: {e}")
             await self._refresh_view()
@@ -365,7 +375,8 @@ class Trainer:
     def _report(self) -> ProgressReport:
         return ProgressReport(step=self.state.step, samples=self.samples, samples_per_second=self.samples_per_second,
                               role=self.config.role, state_hash=self.state_hash, time=get_dht_time(),
-                              finished=self.finished or self.state.step >= self.spec.total_steps)
+                              finished=self.finished or self.state.step >= self.spec.total_steps,
+                              claimed=self.claimed, data_epoch=self.state.cursor.data_epoch)
 
     async def _publish_report(self) -> None:
         try:
@@ -464,10 +475,10 @@ def verify_downloaded(metadata, tensors, spec_hash: str) -> tuple[Manifest, dict
     return manifest, named
 
 
-def _as_future(control):
-    """A concurrent.futures.Future view of hivemind's StepControl/MPFuture (both are Futures)."""
-    return control
+async def _await(mpfuture, timeout: float = 30.0):
+    """Await a hivemind MPFuture, bounded: if its process died, the future would never resolve."""
+    return await asyncio.wait_for(asyncio.ensure_future(_wrap(mpfuture)), timeout)
 
 
-async def _await(mpfuture):
+async def _wrap(mpfuture):
     return await mpfuture

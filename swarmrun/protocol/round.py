@@ -19,7 +19,8 @@ from .errors import Reject, Rejection, RemoteProtocolError
 
 ROUND_VERSION = 1
 MAX_META_BYTES = 64 * 1024
-MAX_REPORT_BYTES = 8 * 1024
+MAX_REPORT_BYTES = 16 * 1024
+MAX_LEASE_RANGES = 256
 
 # DHT keys of a run (values are signed by the writer's key once access control lands)
 def progress_key(run_id: str) -> str:
@@ -257,11 +258,16 @@ class ProgressReport:
     time: float  # the reporter's DHT time
     maddrs: tuple[str, ...] = ()
     finished: bool = False  # the run reached total_steps
+    # blocks whose gradients this peer holds for the next step: a lease, advice for others to avoid them
+    # (the DHT has no compare-and-swap; the round decides, see decide_claims)
+    claimed: RangeSet = RangeSet()
+    data_epoch: int = 0
 
     def encode(self) -> bytes:
         return pack(dict(type="progress", version=ROUND_VERSION, step=self.step, samples=self.samples,
                          sps=self.samples_per_second, role=self.role.value, state_hash=self.state_hash,
-                         time=self.time, maddrs=list(self.maddrs[:8]), finished=self.finished))
+                         time=self.time, maddrs=list(self.maddrs[:8]), finished=self.finished,
+                         claimed=self.claimed.to_list()[:MAX_LEASE_RANGES], data_epoch=self.data_epoch))
 
     @classmethod
     def decode(cls, data: bytes) -> "ProgressReport":
@@ -274,7 +280,8 @@ class ProgressReport:
         _require(isinstance(d.get("finished", False), bool), "finished")
         return cls(step=_int(d, "step"), samples=_int(d, "samples", 0, 2**40), samples_per_second=_float(d, "sps"),
                    role=Role(d["role"]), state_hash=_str(d, "state_hash", 128), time=_float(d, "time"),
-                   maddrs=tuple(maddrs), finished=d.get("finished", False))
+                   maddrs=tuple(maddrs), finished=d.get("finished", False),
+                   claimed=RangeSet.from_list(d.get("claimed", [])), data_epoch=_int(d, "data_epoch"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -296,6 +303,14 @@ class SwarmView:
 
     def finished(self) -> bool:
         return any(r.finished for r in self.reports.values())
+
+    def leased(self, *, me: str, step: int, data_epoch: int) -> RangeSet:
+        """Blocks other live trainers at this step hold gradients for (to avoid, not a lock)."""
+        out = RangeSet()
+        for peer, r in self.trainers.items():
+            if peer != me and r.step == step and r.data_epoch == data_epoch:
+                out = out.add(r.claimed)
+        return out
 
 
 def should_start_round(view: SwarmView, *, me: str, step: int, samples: int, target_batch_size: int) -> bool:

@@ -1,0 +1,77 @@
+"""One peer of the plain ``hivemind.Optimizer`` baseline (started by step_throughput.py in its own session).
+
+Builds the same task, model, optimizer and schedule as ``node join`` and trains with ``hivemind.Optimizer`` under
+swarmrun's timeouts. JSON lines on stdout: ``listening`` (maddrs), ``ready``, one ``step`` per epoch change
+(``step`` = the new epoch, ``time`` = wall clock), ``left``. With ``--wait-go`` it trains only after reading a
+line from stdin, so both peers start together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from _common import batch_len, batches, build_model_and_optimizer, build_task, emit, parse_sets
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--task", default="synthetic")
+    p.add_argument("--set", dest="sets", action="append", default=[])
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--matchmaking-time", type=float, required=True)
+    p.add_argument("--peers", nargs="*", default=[])
+    p.add_argument("--start", type=int, default=0, help="position in the block order where this peer starts")
+    p.add_argument("--wait-go", action="store_true")
+    args = p.parse_args()
+
+    import hivemind
+    from swarmrun.node.trainer import TrainerConfig
+
+    cfg = TrainerConfig()  # swarmrun's defaults: the same timeouts as `node join`
+    task, hparams = build_task(args.task, parse_sets(args.sets), args.seed)
+    total_steps, target = int(hparams["total_steps"]), int(hparams["target_batch_size"])
+    model, optimizer, scheduler = build_model_and_optimizer(task, hparams, args.seed)
+
+    dht = hivemind.DHT(start=True, initial_peers=args.peers or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    emit("listening", maddrs=[str(m) for m in dht.get_visible_maddrs()])
+    opt = hivemind.Optimizer(
+        dht=dht, run_id=args.run_id, target_batch_size=target, batch_size_per_step=args.batch_size,
+        optimizer=optimizer, scheduler=scheduler,
+        matchmaking_time=args.matchmaking_time, averaging_timeout=cfg.averaging_timeout,
+        allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
+        load_state_timeout=cfg.state_timeout, averager_opts=dict(request_timeout=cfg.request_timeout),
+        use_local_updates=False, shutdown_timeout=3.0, verbose=False,
+    )
+    emit("ready", epoch=opt.local_epoch)
+    if args.wait_go:
+        sys.stdin.readline()
+    epoch = opt.local_epoch
+    model.train()
+    try:
+        for batch in batches(task, hparams, args.seed, args.batch_size, start=args.start):
+            if opt.local_epoch >= total_steps:
+                break
+            loss = task.loss(model, batch)
+            loss.backward()
+            opt.step(batch_size=batch_len(batch))
+            opt.zero_grad()
+            if opt.local_epoch != epoch:
+                emit("step", step=opt.local_epoch, jumped=opt.local_epoch - epoch - 1, loss=float(loss.detach()))
+                epoch = opt.local_epoch
+        emit("left", step=opt.local_epoch)
+    finally:
+        t0 = time.monotonic()
+        try:
+            opt.shutdown()
+        finally:
+            dht.shutdown()
+        emit("shutdown", seconds=round(time.monotonic() - t0, 3))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

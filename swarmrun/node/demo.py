@@ -1,0 +1,179 @@
+"""`node demo`: a local swarm on loopback that trains, loses a peer to SIGKILL and takes in a fresh one.
+
+Each peer is a real `node join` process in its own session (process group), with its own state dir;
+the demo kills whole process groups, so no hivemind child or p2pd outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..protocol.errors import SwarmrunError, UsageError
+
+
+@dataclass
+class PeerProcess:
+    """One `node join` subprocess and the JSON events it printed."""
+
+    name: str
+    proc: subprocess.Popen
+    events: list = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def start_peer(name: str, args: list[str], *, workdir: Path, sink: "queue.Queue") -> PeerProcess:
+    """Start `node join ARGS --json` in its own session; its stdout events go to ``sink`` as (name, event)."""
+    log = open(workdir / f"{name}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "swarmrun.node.cli", "join", *args, "--json"],
+                            stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+    peer = PeerProcess(name, proc)
+
+    def pump():
+        for line in proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            peer.events.append(event)
+            sink.put((name, event))
+        sink.put((name, None))
+
+    threading.Thread(target=pump, daemon=True).start()
+    return peer
+
+
+def run_demo(args, events) -> int:
+    if args.peers < 2:
+        raise UsageError("--peers must be at least 2 (one of them is killed mid-way)")
+    if args.steps < 3:
+        raise UsageError("--steps must be at least 3")
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="swarmrun-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    run_id = f"demo-{os.getpid()}"
+    sets = [f"total_steps={args.steps}", *args.sets]
+    if args.task == "char-lm" and not any(s.startswith("eval_every=") for s in args.sets):
+        sets.append(f"eval_every={max(1, args.steps // 6)}")
+    peers: list[PeerProcess] = []
+    sink: queue.Queue = queue.Queue()
+    summary = dict(run_id=run_id, task=args.task, peers=args.peers, peers_killed=0, peers_joined=0)
+    try:
+        common = ["--device", "cpu", "--matchmaking-time", "1.0"]
+        creator = start_peer("peer0", [run_id, "--task", args.task, *sum((["--set", s] for s in sets), []),
+                                       "--state-dir", str(workdir / "peer0"), "--min-peers", str(args.peers), *common],
+                             workdir=workdir, sink=sink)
+        peers.append(creator)
+        maddr = _wait_listening(creator, sink, timeout=120)
+        events.emit("demo", message=f"peer0 created run {run_id} ({args.task}, {args.steps} steps); {args.peers - 1} more joining",
+                    maddr=maddr)
+        for i in range(1, args.peers):
+            peers.append(start_peer(f"peer{i}", [run_id, "--peers", maddr, "--state-dir", str(workdir / f"peer{i}"), *common],
+                                    workdir=workdir, sink=sink))
+        result = _drive(args, events, peers, sink, maddr, workdir, common, summary, run_id)
+        summary.update(result)
+        events.emit("summary", **summary)
+        return 0 if summary.get("ok") else 1
+    finally:
+        for peer in peers:
+            peer.kill_group(signal.SIGKILL)
+        for peer in peers:
+            try:
+                peer.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wait_listening(peer: PeerProcess, sink: queue.Queue, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            name, event = sink.get(timeout=1)
+        except queue.Empty:
+            continue
+        if event is None and name == peer.name:
+            raise SwarmrunError(f"{peer.name} exited before listening (exit code {peer.proc.wait()})")
+        if event and event.get("event") == "error":
+            raise SwarmrunError(f"{name}: {event.get('message')}")
+        if name == peer.name and event and event.get("event") == "listening":
+            return event["maddrs"][0]
+    raise SwarmrunError(f"{peer.name} did not start listening within {timeout:.0f}s")
+
+
+def _drive(args, events, peers, sink, maddr, workdir, common, summary, run_id) -> dict:
+    kill_at = max(1, args.steps // 3)
+    first_loss: Optional[float] = None
+    last_loss: Optional[float] = None
+    final_step = 0
+    done = set()
+    killed = False
+    deadline = time.monotonic() + max(600, args.steps * 20)
+    while time.monotonic() < deadline and len(done) < len(peers):
+        try:
+            name, event = sink.get(timeout=1)
+        except queue.Empty:
+            continue
+        if event is None:
+            done.add(name)
+            continue
+        kind = event.get("event")
+        if kind in ("eval", "step") and name == _reporter(peers, done):
+            if kind == "eval":
+                first_loss = event["loss"] if first_loss is None else first_loss
+                last_loss = event["loss"]
+            else:
+                final_step = max(final_step, event["step"])
+                if first_loss is None and event.get("loss") is not None:
+                    first_loss = event["loss"]
+                events.emit("progress", **{k: event.get(k) for k in ("step", "total_steps", "loss", "samples_per_second", "peers", "eta_s")})
+        if kind == "error":
+            events.emit("demo", message=f"{name} reported an error: {event.get('message')}")
+        if kind == "step" and not killed and event["step"] >= kill_at:
+            victim = peers[-1]
+            victim.kill_group(signal.SIGKILL)
+            killed = True
+            summary["peers_killed"] += 1
+            events.emit("demo", message=f"killed {victim.name} with SIGKILL at step {event['step']}")
+            fresh = f"peer{len(peers)}"
+            peers.append(start_peer(fresh, [run_id, "--peers", maddr, "--state-dir", str(workdir / fresh), *common],
+                                    workdir=workdir, sink=sink))
+            summary["peers_joined"] += 1
+            events.emit("demo", message=f"started {fresh}, which joins the run")
+    lefts = {p.name: next((e for e in p.events if e.get("event") == "left"), None) for p in peers}
+    finishers = {n: e for n, e in lefts.items() if e and e.get("reason") == "finished"}
+    hashes = {e["state_hash"] for e in finishers.values()}
+    cursor = next(iter(finishers.values()))["cursor"] if finishers else {}
+    joined = peers[-1].name
+    return dict(final_step=max([final_step, *(e["step"] for e in finishers.values())]), first_loss=first_loss,
+                last_loss=last_loss, peers_finished=len(finishers), same_state_hash=len(hashes) == 1,
+                joined_peer_finished=joined in finishers, exit_codes={p.name: p.proc.poll() for p in peers},
+                cursor=cursor, ok=bool(finishers) and len(hashes) == 1 and joined in finishers)
+
+
+def _reporter(peers, done) -> str:
+    """The peer whose steps the demo shows: the first one still running (peer0, normally)."""
+    for p in peers:
+        if p.name not in done and p.alive:
+            return p.name
+    return peers[0].name
