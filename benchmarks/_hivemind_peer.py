@@ -2,8 +2,9 @@
 
 Builds the same task, model, optimizer and schedule as ``node join`` and trains with ``hivemind.Optimizer`` under
 swarmrun's timeouts. JSON lines on stdout: ``listening`` (maddrs), ``ready``, one ``step`` per epoch change
-(``step`` = the new epoch, ``time`` = wall clock), ``left``. With ``--wait-go`` it trains only after reading a
-line from stdin, so both peers start together.
+(``step`` = the new epoch, ``time`` = wall clock), ``left``. It waits until hivemind's progress tracker sees
+``--min-peers`` peers (``synced``); with ``--wait-go`` it then trains only after reading a line from stdin, so both
+peers start together.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ def main() -> int:
     p.add_argument("--peers", nargs="*", default=[])
     p.add_argument("--start", type=int, default=0, help="position in the block order where this peer starts")
     p.add_argument("--wait-go", action="store_true")
+    p.add_argument("--min-peers", type=int, default=2, help="wait until the tracker sees this many peers")
+    p.add_argument("--min-peers-timeout", type=float, default=60.0)
+    p.add_argument("--verbose", action="store_true", help="hivemind.Optimizer(verbose=True): its status on stderr")
     args = p.parse_args()
 
     import hivemind
@@ -44,9 +48,19 @@ def main() -> int:
         matchmaking_time=args.matchmaking_time, averaging_timeout=cfg.averaging_timeout,
         allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
         load_state_timeout=cfg.state_timeout, averager_opts=dict(request_timeout=cfg.request_timeout),
-        use_local_updates=False, shutdown_timeout=3.0, verbose=False,
+        use_local_updates=False, shutdown_timeout=3.0, verbose=args.verbose,
     )
     emit("ready", epoch=opt.local_epoch)
+    # like `node join --min-peers`: train only once this peer's progress tracker sees the other peers, otherwise
+    # hivemind steps alone ("Skipping pre-scheduled averaging round: there are no other peers")
+    deadline = time.monotonic() + args.min_peers_timeout
+    while opt.tracker.global_progress.num_peers < args.min_peers:
+        if time.monotonic() > deadline:
+            emit("error", message=f"tracker saw {opt.tracker.global_progress.num_peers} peer(s) after "
+                                  f"{args.min_peers_timeout}s, wanted {args.min_peers}")
+            return 3
+        time.sleep(0.1)
+    emit("synced", peers=opt.tracker.global_progress.num_peers)
     if args.wait_go:
         sys.stdin.readline()
     epoch = opt.local_epoch

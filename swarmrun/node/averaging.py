@@ -27,6 +27,7 @@ from hivemind.utils.asyncio import amap_in_executor, azip, as_aiter, enter_async
 from ..protocol.codec import unpack
 from ..protocol.cursor import DataCursor
 from ..protocol.errors import ProtocolError
+from . import faults
 from ..protocol.round import ClaimDecision, RoundMeta, check_round_meta, decide_claims
 
 logger = get_logger(__name__)
@@ -66,8 +67,10 @@ class ExactAllReduceRunner(AllReduceRunner):
       the bits its receivers get.
     """
 
-    def __init__(self, *, sender_weights: Sequence[float], tensors: Sequence[torch.Tensor], **kwargs):
+    def __init__(self, *, sender_weights: Sequence[float], tensors: Sequence[torch.Tensor],
+                 round_step: Optional[int] = None, **kwargs):
         super().__init__(tensors=tensors, **kwargs)
+        self.round_step = round_step
         self.sender_weights = tuple(sender_weights)
         container_kwargs = {k: kwargs[k] for k in ("compression", "part_size_bytes", "tensor_infos") if k in kwargs}
         self.tensor_part_container = TensorPartContainer(
@@ -95,6 +98,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             )
             as_sent = await loop.run_in_executor(None, self._as_sent, averaged, compression.compression_type)
             self.tensor_part_container.register_processed_part(peer_index, part_index, as_sent)
+            faults.fire("allreduce", self.round_step)
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
         part_index = 0
@@ -230,6 +234,7 @@ class RoundAverager(DecentralizedAverager):
             ordered_peer_ids=group_info.peer_ids,
             peer_fractions=fractions,
             sender_weights=sender_weights,
+            round_step=self._round_step,
             **kwargs,
         )
         assert group_info.group_id in self._running_groups, "group was not registered"

@@ -1,0 +1,387 @@
+"""Step throughput: samples/s of a 2-peer swarmrun swarm vs plain ``hivemind.Optimizer`` vs one local process.
+
+All three train the same task, model, optimizer, data order, per-peer batch size, target batch size and number of
+steps; the two swarms use the same matchmaking time and timeouts (swarmrun's ``TrainerConfig`` defaults).
+Runs are interleaved (swarmrun, hivemind, local, swarmrun, ...), ``--repeats`` of each; the figure of a run is
+
+    samples/s = target_batch_size * (steps committed after the first) / (time of last step - time of first step)
+
+read from the first peer's step events, so start-up and the first step are excluded. Every peer runs in its own
+session and its whole process group is killed at the end of its run, whatever happens; every wait is bounded.
+
+    /work/venv/bin/python benchmarks/step_throughput.py [--repeats 3] [--total-steps 20] [--json]
+
+With ``--json`` the last stdout line is the summary (medians, ``ratio_vs_hivemind``, ``ratio_vs_local``, every
+run's figure); otherwise a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_SEED = 20261202  # swarmrun.node.join.DEFAULT_SEED; passed explicitly to every run anyway
+SYSTEMS = ("swarmrun", "hivemind", "local")
+
+
+class RunFailed(Exception):
+    pass
+
+
+class Peer:
+    """A child process in its own session; stdout JSON lines collected by a thread, stderr to a log file."""
+
+    live: list["Peer"] = []
+
+    def __init__(self, name: str, cmd: list[str], log_dir: Path, *, stdin_pipe: bool = False):
+        self.name, self.cmd = name, cmd
+        self.stderr_path = log_dir / f"{name}.stderr"
+        self.stdout_path = log_dir / f"{name}.stdout"
+        self._stderr = open(self.stderr_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr,
+                                     stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+                                     start_new_session=True, text=True, bufsize=1)
+        self.pgid = self.proc.pid  # start_new_session: the child leads its own group
+        Peer.live.append(self)
+        self.events: list[dict] = []
+        self.queue: "queue.Queue[Optional[dict]]" = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        with open(self.stdout_path, "w") as raw:
+            for line in self.proc.stdout:
+                raw.write(line)
+                raw.flush()
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict):
+                    ev.setdefault("_received", time.time())
+                    self.events.append(ev)
+                    self.queue.put(ev)
+        self.queue.put(None)  # EOF
+
+    def wait_event(self, names: tuple[str, ...], deadline: float) -> dict:
+        """The next event named one of ``names``; RunFailed on EOF, an error event or the deadline."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RunFailed(f"{self.name}: timed out waiting for {'/'.join(names)}")
+            try:
+                ev = self.queue.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if ev is None:
+                raise RunFailed(f"{self.name}: exited (rc={self.proc.poll()}) before {'/'.join(names)}")
+            if ev.get("event") in names:
+                return ev
+            if ev.get("event") == "error":
+                raise RunFailed(f"{self.name}: error event {ev}")
+
+    def send(self, text: str) -> None:
+        try:
+            self.proc.stdin.write(text)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+    def wait_exit(self, timeout: float) -> Optional[int]:
+        try:
+            return self.proc.wait(timeout=max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._reader.join(timeout=2)
+        self._stderr.close()
+        if self in Peer.live:
+            Peer.live.remove(self)
+
+    def stderr_tail(self, n: int = 1500) -> str:
+        try:
+            return self.stderr_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+def kill_all() -> None:
+    for peer in list(Peer.live):
+        peer.kill()
+
+
+# ---- figures ------------------------------------------------------------------------------------------------
+def figure(steps: list[dict], target_batch_size: int) -> dict[str, Any]:
+    """samples/s over the window from the first committed step to the last."""
+    steps = sorted(steps, key=lambda e: float(e["time"]))
+    if len(steps) < 2:
+        raise RunFailed(f"only {len(steps)} step(s) committed: no window to measure")
+    first, last = steps[0], steps[-1]
+    committed = int(last["step"]) - int(first["step"])
+    window = float(last["time"]) - float(first["time"])
+    if committed <= 0 or window <= 0:
+        raise RunFailed(f"empty window: steps {first['step']}..{last['step']} in {window:.6f}s")
+    return dict(samples_per_s=target_batch_size * committed / window, steps_in_window=committed,
+                window_s=window, first_step=int(first["step"]), last_step=int(last["step"]))
+
+
+# ---- one run of each system ---------------------------------------------------------------------------------
+def node_command(opts) -> list[str]:
+    if opts.node:
+        return [opts.node]
+    exe = Path(sys.executable).parent / "node"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "swarmrun.node.cli"]
+
+
+def all_sets(opts) -> list[str]:
+    return [*opts.sets, f"total_steps={opts.total_steps}", f"target_batch_size={opts.target_batch_size}"]
+
+
+def run_swarmrun(opts, log_dir: Path) -> dict[str, Any]:
+    deadline = time.monotonic() + opts.run_timeout
+    run_id = f"bench-{uuid.uuid4().hex[:10]}"
+    common = ["--json", "--device", "cpu", "--batch-size", str(opts.batch_size), "--min-peers", "2",
+              "--matchmaking-time", str(opts.matchmaking_time)]
+    sets = [x for s in all_sets(opts) for x in ("--set", s)]
+    cmd_a = [*node_command(opts), "join", run_id, "--task", opts.task, *sets, "--seed", str(opts.seed),
+             "--state-dir", str(log_dir / "state-a"), *common]
+    peers = []
+    try:
+        a = Peer("swarmrun-a", cmd_a, log_dir)
+        peers.append(a)
+        listening = a.wait_event(("listening",), min(deadline, time.monotonic() + opts.startup_timeout))
+        cmd_b = [*node_command(opts), "join", run_id, "--peers", *listening["maddrs"][:1],
+                 "--state-dir", str(log_dir / "state-b"), *common]
+        b = Peer("swarmrun-b", cmd_b, log_dir)
+        peers.append(b)
+        left = a.wait_event(("left",), deadline)
+        b.wait_exit(min(10.0, deadline - time.monotonic()))
+        steps = [e for e in a.events if e.get("event") == "step"]
+        out = figure(steps, opts.target_batch_size)
+        out.update(reason=left.get("reason"), rounds_abandoned=sum(e.get("event") == "round_abandoned" for e in a.events),
+                   resyncs=left.get("resyncs"), peer_b_steps=sum(e.get("event") == "step" for e in b.events),
+                   commands=[" ".join(cmd_a), " ".join(cmd_b)])
+        if left.get("step") != opts.total_steps:
+            out["warning"] = f"peer a left at step {left.get('step')} ({left.get('reason')})"
+        return out
+    except RunFailed as e:
+        raise RunFailed(f"{e}; " + "; ".join(f"{p.name} stderr tail: {p.stderr_tail(600)!r}" for p in peers)) from None
+    finally:
+        for p in peers:
+            p.kill()
+
+
+def run_hivemind(opts, log_dir: Path) -> dict[str, Any]:
+    deadline = time.monotonic() + opts.run_timeout
+    run_id = f"bench-hm-{uuid.uuid4().hex[:10]}"
+    base = [sys.executable, str(HERE / "_hivemind_peer.py"), "--run-id", run_id, "--task", opts.task,
+            *[x for s in all_sets(opts) for x in ("--set", s)], "--seed", str(opts.seed),
+            "--batch-size", str(opts.batch_size), "--matchmaking-time", str(opts.matchmaking_time), "--wait-go",
+            *(["--verbose"] if opts.verbose_peers else [])]
+    peers = []
+    try:
+        a = Peer("hivemind-a", [*base, "--start", "0"], log_dir, stdin_pipe=True)
+        peers.append(a)
+        startup = min(deadline, time.monotonic() + opts.startup_timeout)
+        listening = a.wait_event(("listening",), startup)
+        # the second peer starts half-way through the block order (swarmrun's peers start at crc32(peer_id) % n)
+        b = Peer("hivemind-b", [*base, "--start", str(opts.start_b), "--peers", *listening["maddrs"][:1]],
+                 log_dir, stdin_pipe=True)
+        peers.append(b)
+        a.wait_event(("synced",), startup)
+        b.wait_event(("synced",), startup)
+        for p in peers:
+            p.send("go\n")
+        left = a.wait_event(("left",), deadline)
+        steps = [e for e in a.events if e.get("event") == "step"]
+        out = figure(steps, opts.target_batch_size)
+        out.update(jumped=sum(int(e.get("jumped", 0)) for e in steps),
+                   peer_b_steps=sum(e.get("event") == "step" for e in b.events))
+        if left.get("step") != opts.total_steps:
+            out["warning"] = f"peer a left at epoch {left.get('step')}"
+        return out
+    except RunFailed as e:
+        raise RunFailed(f"{e}; " + "; ".join(f"{p.name} stderr tail: {p.stderr_tail(600)!r}" for p in peers)) from None
+    finally:
+        for p in peers:
+            p.kill()
+
+
+def run_local(opts, log_dir: Path) -> dict[str, Any]:
+    deadline = time.monotonic() + opts.run_timeout
+    cmd = [sys.executable, str(HERE / "_local_run.py"), "--task", opts.task,
+           *[x for s in all_sets(opts) for x in ("--set", s)], "--seed", str(opts.seed),
+           "--batch-size", str(opts.batch_size)]
+    peer = Peer("local", cmd, log_dir)
+    try:
+        peer.wait_event(("left",), deadline)
+        return figure([e for e in peer.events if e.get("event") == "step"], opts.target_batch_size)
+    except RunFailed as e:
+        raise RunFailed(f"{e}; stderr tail: {peer.stderr_tail(600)!r}") from None
+    finally:
+        peer.kill()
+
+
+RUNNERS = {"swarmrun": run_swarmrun, "hivemind": run_hivemind, "local": run_local}
+
+
+# ---- driver -------------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", default="synthetic", help="installed swarmrun task (default synthetic)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra task argument or hyperparameter, as `node join --set` (repeatable)")
+    p.add_argument("--total-steps", type=int, default=20)
+    p.add_argument("--target-batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32, help="per-peer local batch")
+    p.add_argument("--matchmaking-time", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each system, interleaved (default 3)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of swarmrun,hivemind,local")
+    p.add_argument("--run-timeout", type=float, default=240.0, help="seconds before a run is killed (default 240)")
+    p.add_argument("--startup-timeout", type=float, default=90.0, help="seconds for a peer to start listening")
+    p.add_argument("--start-b", type=int, default=None,
+                   help="hivemind peer b's start position in the block order (default: half the blocks)")
+    p.add_argument("--node", default=None, help="the `node` executable (default: next to this Python)")
+    p.add_argument("--workdir", default=None, help="where peer logs and state dirs go (default: a temp dir)")
+    p.add_argument("--verbose-peers", action="store_true", help="hivemind baseline peers log their status to stderr")
+    p.add_argument("--keep", action="store_true", help="keep the temp workdir")
+    p.add_argument("--json", action="store_true", help="JSON lines; the last one is the summary")
+    opts = p.parse_args(argv)
+    opts.systems = [s.strip() for s in opts.systems.split(",") if s.strip()]
+    bad = [s for s in opts.systems if s not in SYSTEMS]
+    if bad or opts.repeats < 1 or opts.total_steps < 2:
+        p.error(f"bad --systems {bad}" if bad else "--repeats must be >= 1 and --total-steps >= 2")
+    return opts
+
+
+def _default_start_b(opts) -> int:
+    from _common import build_task  # noqa: E402 (imports torch and the task; only once)
+    from swarmrun.protocol.cursor import num_blocks
+
+    task, hparams = build_task(opts.task, dict(s.split("=", 1) for s in all_sets(opts)), opts.seed)
+    return num_blocks(task.num_examples(), int(hparams["block_size"])) // 2
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    if opts.start_b is None:
+        opts.start_b = _default_start_b(opts)
+    workdir = Path(opts.workdir) if opts.workdir else Path(tempfile.mkdtemp(prefix="swarmrun-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for rep in range(opts.repeats):
+            for system in opts.systems:
+                log_dir = workdir / f"{rep:02d}-{system}"
+                log_dir.mkdir(parents=True, exist_ok=True)
+                t0 = time.monotonic()
+                record: dict[str, Any] = dict(system=system, repeat=rep)
+                try:
+                    record.update(RUNNERS[system](opts, log_dir))
+                except RunFailed as e:
+                    record.update(samples_per_s=None, error=str(e))
+                record["wall_s"] = round(time.monotonic() - t0, 2)
+                runs.append(record)
+                sps = record.get("samples_per_s")
+                say(f"[{rep + 1}/{opts.repeats}] {system:8s} " + (f"{sps:10.1f} samples/s  "
+                    f"({record['steps_in_window']} steps in {record['window_s']:.3f}s, wall {record['wall_s']}s)"
+                    if sps is not None else f"FAILED: {record['error'][:300]}"))
+                if opts.json:
+                    print(json.dumps(dict(event="run", **record)), flush=True)
+    except KeyboardInterrupt:
+        say("interrupted: killing peers")
+        kill_all()
+        return 130
+    finally:
+        kill_all()
+        if not opts.workdir and not opts.keep and all(r.get("error") is None for r in runs):
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif runs:
+            say(f"peer logs kept in {workdir}")
+
+    figures = {s: [r["samples_per_s"] for r in runs if r["system"] == s and r.get("samples_per_s") is not None]
+               for s in opts.systems}
+    medians = {s: (statistics.median(v) if v else None) for s, v in figures.items()}
+
+    def ratio(a: str, b: str) -> Optional[float]:
+        x, y = medians.get(a), medians.get(b)
+        return x / y if x is not None and y else None
+
+    summary = dict(
+        event="summary", task=opts.task,
+        settings=dict(total_steps=opts.total_steps, target_batch_size=opts.target_batch_size,
+                      batch_size=opts.batch_size, matchmaking_time=opts.matchmaking_time, seed=opts.seed,
+                      repeats=opts.repeats, sets=opts.sets, peers=2),
+        medians=medians, figures=figures, ratio_vs_hivemind=ratio("swarmrun", "hivemind"),
+        ratio_vs_local=ratio("swarmrun", "local"),
+        failed=[dict(system=r["system"], repeat=r["repeat"], error=r["error"]) for r in runs if r.get("error")],
+        runs=runs,
+    )
+    if opts.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        print_table(summary)
+    return 0 if all(medians.get(s) is not None for s in opts.systems) else 1
+
+
+def print_table(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    st = summary["settings"]
+    table = Table(title=f"step throughput: task {summary['task']}, 2 peers, {st['total_steps']} steps, target batch "
+                        f"{st['target_batch_size']}, batch {st['batch_size']}, matchmaking {st['matchmaking_time']}s")
+    table.add_column("system")
+    table.add_column("median samples/s", justify="right")
+    table.add_column("runs (samples/s)", justify="right")
+    table.add_column("swarmrun / this", justify="right")
+    sr = summary["medians"].get("swarmrun")
+    for system, med in summary["medians"].items():
+        runs = ", ".join(f"{x:.1f}" for x in summary["figures"][system]) or "-"
+        rel = f"{sr / med:.3f}" if sr is not None and med else "-"
+        table.add_row(system, "-" if med is None else f"{med:.1f}", runs, rel)
+    console = Console()
+    console.print(table)
+    for f in summary["failed"]:
+        console.print(f"failed {f['system']} #{f['repeat']}: {f['error'][:500]}", markup=False, highlight=False)
+    if summary["ratio_vs_hivemind"] is not None or summary["ratio_vs_local"] is not None:
+        fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+        console.print(f"ratio_vs_hivemind {fmt(summary['ratio_vs_hivemind'])}  "
+                      f"ratio_vs_local {fmt(summary['ratio_vs_local'])}", highlight=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

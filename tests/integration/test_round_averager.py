@@ -1,0 +1,90 @@
+"""The round on real hivemind averagers on loopback: exact, sample-weighted, identical bits everywhere."""
+
+import concurrent.futures
+
+import pytest
+import torch
+from hivemind import DHT
+
+from swarmrun.node.averaging import RoundAverager
+from swarmrun.protocol.cursor import DataCursor, RangeSet
+from swarmrun.protocol.round import RoundMeta, claim_samples
+
+pytestmark = pytest.mark.integration
+SPEC_HASH = "cd" * 32
+
+
+@pytest.fixture
+def two_averagers():
+    made = []
+    try:
+        dht1 = DHT(start=True)
+        made.append(dht1)
+        dht2 = DHT(start=True, initial_peers=dht1.get_visible_maddrs())
+        made.append(dht2)
+        averagers = []
+        gen = torch.Generator().manual_seed(0)
+        for dht in (dht1, dht2):
+            tensors = [torch.randn(1000, generator=gen), torch.randn(7, 13, generator=gen)]
+            avg = RoundAverager(tensors, dht, spec_hash=SPEC_HASH, prefix="test_round", start=True,
+                                min_matchmaking_time=1.0, request_timeout=0.5, next_chunk_timeout=3.0,
+                                allreduce_timeout=10.0, part_size_bytes=1024, target_group_size=2)
+            made.append(avg)
+            averagers.append(avg)
+        yield averagers
+    finally:
+        for obj in reversed(made):
+            obj.shutdown()
+
+
+def run_round(averagers, metas, cursor):
+    controls = []
+    for avg, meta in zip(averagers, metas):
+        avg.prepare_round(meta.step, cursor)
+        controls.append(avg.step(gather=meta.encode(), weight=1.0, timeout=30, wait=False))
+    return [c.result(timeout=40) for c in controls]
+
+
+def test_sample_weighted_exact_average_with_batch_sizes_4_and_16(two_averagers):
+    cursor = DataCursor.new(seed=1, num_examples=64, block_size=4)
+    claims = [RangeSet.from_items([0]), RangeSet.from_items([1, 2, 3, 4])]  # 4 and 16 samples
+    metas = [RoundMeta(spec_hash=SPEC_HASH, step=5, samples=claim_samples(c, cursor), blocks=c, data_epoch=0)
+             for c in claims]
+    assert [m.samples for m in metas] == [4, 16]
+    before = []
+    for avg in two_averagers:
+        with avg.get_tensors() as tensors:
+            before.append([t.clone() for t in tensors])
+    outcomes = run_round(two_averagers, metas, cursor)
+    assert all(o.complete for o in outcomes), [o.reason for o in outcomes]
+    assert outcomes[0].group_id == outcomes[1].group_id
+    after = []
+    for avg in two_averagers:
+        with avg.get_tensors() as tensors:
+            after.append([t.clone() for t in tensors])
+    for i in range(2):
+        expected = (4 * before[0][i].double() + 16 * before[1][i].double()) / 20
+        torch.testing.assert_close(after[0][i].double(), expected, rtol=1e-6, atol=1e-6)
+        # exact averaging: every participant holds the same bits
+        assert torch.equal(after[0][i], after[1][i])
+        assert not torch.equal(after[0][i], before[0][i])
+
+
+def test_a_participant_at_another_step_is_refused_before_any_tensor_moves(two_averagers):
+    cursor = DataCursor.new(seed=1, num_examples=64, block_size=4)
+    metas = [RoundMeta(spec_hash=SPEC_HASH, step=s, samples=4, blocks=RangeSet.from_items([b]), data_epoch=0)
+             for s, b in ((1, 0), (2, 1))]
+    before = []
+    for avg in two_averagers:
+        with avg.get_tensors() as tensors:
+            before.append([t.clone() for t in tensors])
+    controls = []
+    for avg, meta in zip(two_averagers, metas):
+        avg.prepare_round(meta.step, cursor)
+        controls.append(avg.step(gather=meta.encode(), weight=1.0, timeout=4, wait=False, allow_retries=False))
+    for c in controls:
+        with pytest.raises(Exception):
+            c.result(timeout=20)
+    for avg, old in zip(two_averagers, before):
+        with avg.get_tensors() as tensors:
+            assert all(torch.equal(t, o) for t, o in zip(tensors, old))

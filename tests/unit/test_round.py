@@ -1,0 +1,103 @@
+"""The round's pure decisions: claims, weights, the commit vote, the step trigger, message bounds."""
+
+import pytest
+
+from swarmrun.protocol.cursor import DataCursor, RangeSet
+from swarmrun.protocol.errors import RemoteProtocolError
+from swarmrun.protocol.round import (
+    Abandon, Commit, ProgressReport, Role, RoundMeta, SwarmView, Vote, claim_samples, decide_claims,
+    decide_commit, should_start_round,
+)
+
+CURSOR = DataCursor.new(seed=1, num_examples=100, block_size=8)  # 13 blocks, the last one holds 4
+
+
+def meta(blocks, samples=None, epoch=0, step=0):
+    rs = RangeSet.from_items(blocks)
+    return RoundMeta(spec_hash="ab" * 32, step=step, samples=claim_samples(rs, CURSOR) if samples is None else samples,
+                     blocks=rs, data_epoch=epoch)
+
+
+def test_claims_weight_by_samples_of_blocks():
+    d = decide_claims([meta([0, 1]), meta([2]), meta([12])], CURSOR)
+    assert d.weights == (16.0, 8.0, 4.0)
+    assert d.samples == 28 and d.refused == ()
+    assert set(d.applied) == {0, 1, 2, 12}
+
+
+def test_overlapping_claims_get_weight_zero_and_are_not_applied():
+    d = decide_claims([meta([0, 1]), meta([1, 2]), meta([5])], CURSOR)
+    assert d.weights == (0.0, 0.0, 8.0)
+    assert d.refused == (0, 1)
+    assert set(d.applied) == {5}
+
+
+def test_claims_on_applied_blocks_or_other_epoch_or_lying_counts_are_refused():
+    cursor = CURSOR.apply(RangeSet.from_items([3]))
+    d = decide_claims([meta([3, 4]), meta([6], epoch=1), meta([7], samples=1000), meta([8])], cursor)
+    assert d.weights == (0.0, 0.0, 0.0, 8.0)
+    assert set(d.applied) == {8}
+
+
+def test_claims_outside_the_dataset_are_refused():
+    d = decide_claims([meta([13], samples=8), meta([0])], CURSOR)
+    assert d.weights == (0.0, 8.0)
+
+
+def vote(ok=True, grad="g", group="aa", step=0):
+    return Vote(step=step, group_id=group, grad_hash=grad, ok=ok)
+
+
+def test_commit_needs_every_vote_agreeing_majority_and_target():
+    group = ["a", "b", "c"]
+    votes = {p: vote() for p in group}
+    assert decide_commit(mine=vote(), votes=votes, group=group, live_trainers=4, samples=64, target_batch_size=64) == Commit()
+    # a missing vote, a failed one, a different gradient: abandoned
+    assert isinstance(decide_commit(mine=vote(), votes={"a": vote(), "b": vote()}, group=group, live_trainers=3,
+                                    samples=64, target_batch_size=64), Abandon)
+    assert isinstance(decide_commit(mine=vote(), votes={**votes, "c": vote(ok=False)}, group=group, live_trainers=3,
+                                    samples=64, target_batch_size=64), Abandon)
+    assert isinstance(decide_commit(mine=vote(), votes={**votes, "b": vote(grad="x")}, group=group, live_trainers=3,
+                                    samples=64, target_batch_size=64), Abandon)
+    # not a majority of live trainers, not enough samples, my own all-reduce incomplete
+    assert isinstance(decide_commit(mine=vote(), votes=votes, group=group, live_trainers=6, samples=64,
+                                    target_batch_size=64), Abandon)
+    assert isinstance(decide_commit(mine=vote(), votes=votes, group=group, live_trainers=3, samples=63,
+                                    target_batch_size=64), Abandon)
+    assert isinstance(decide_commit(mine=vote(ok=False), votes=votes, group=group, live_trainers=3, samples=64,
+                                    target_batch_size=64), Abandon)
+
+
+def report(step, samples, role=Role.TRAINER, claimed=()):
+    return ProgressReport(step=step, samples=samples, samples_per_second=1.0, role=role, state_hash="h", time=0.0,
+                          claimed=RangeSet.from_items(claimed))
+
+
+def test_round_starts_on_reported_samples_at_my_step_only():
+    view = SwarmView(reports={"me": report(3, 0), "b": report(3, 40), "c": report(2, 500),
+                              "k": report(3, 900, role=Role.KEEPER)})
+    assert not should_start_round(view, me="me", step=3, samples=20, target_batch_size=64)
+    assert should_start_round(view, me="me", step=3, samples=24, target_batch_size=64)
+    assert not should_start_round(view, me="me", step=3, samples=0, target_batch_size=1)
+
+
+def test_leases_of_other_trainers_at_my_step():
+    view = SwarmView(reports={"me": report(3, 0, claimed=[1]), "b": report(3, 8, claimed=[4, 5]),
+                              "c": report(2, 8, claimed=[7])})
+    assert set(view.leased(me="me", step=3, data_epoch=0)) == {4, 5}
+
+
+def test_messages_roundtrip_and_reject_garbage():
+    m = meta([0, 1])
+    assert RoundMeta.decode(m.encode()) == m
+    v = vote()
+    assert Vote.decode(v.encode()) == v
+    r = report(1, 2, claimed=[3])
+    assert ProgressReport.decode(r.encode()) == r
+    for bad in (b"", b"\xc1", b"\x92\x01\x02", m.encode()[:-3], b"\x81\xa4type\xa4vote"):
+        with pytest.raises(RemoteProtocolError):
+            RoundMeta.decode(bad)
+        with pytest.raises(RemoteProtocolError):
+            Vote.decode(bad)
+        with pytest.raises(RemoteProtocolError):
+            ProgressReport.decode(bad)
