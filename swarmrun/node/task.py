@@ -161,9 +161,19 @@ def coerce_args(defaults: Mapping[str, Any], given: Mapping[str, Any], *, what: 
     return out
 
 
+_REGISTERED: dict[str, type] = {}
+
+
+def register_task(cls: type["Task"]) -> None:
+    """Make a task class of this process known by its name (the library API: a script's own task)."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TaskError(f"{cls!r} is not a swarmrun Task class")
+    _REGISTERED[cls.name] = cls
+
+
 def available_tasks() -> dict[str, Any]:
-    """Installed tasks by name (entry points of ``swarmrun.tasks``), not yet loaded."""
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    """Tasks by name: installed entry points of ``swarmrun.tasks`` (not yet loaded) and registered classes."""
+    return {**{ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}, **_REGISTERED}
 
 
 def load_task_class(name: str) -> type[Task]:
@@ -176,7 +186,7 @@ def load_task_class(name: str) -> type[Task]:
     if name not in tasks:
         known = ", ".join(sorted(tasks)) or "none"
         raise TaskError(f"task {name!r} is not installed (installed: {known})")
-    cls = tasks[name].load()
+    cls = tasks[name] if isinstance(tasks[name], type) else tasks[name].load()
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise TaskError(f"entry point {name!r} does not name a swarmrun Task class")
     return cls

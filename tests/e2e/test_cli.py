@@ -100,3 +100,15 @@ def test_max_steps_then_exit_0_and_left_event(tmp_path):
     assert events[0]["event"] == "listening" and events[0]["maddrs"][0].startswith("/ip4/127.0.0.1/tcp/")
     left = events[-1]
     assert left["event"] == "left" and left["reason"] == "max_steps" and left["step"] == 3
+
+
+def test_library_api_example_runs(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "existing_loop.py"
+    result = subprocess.run([sys.executable, str(example), "--create", "--state-dir", str(tmp_path / "s"),
+                             "--max-steps", "3"], capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "left the run: max_steps" in result.stdout
