@@ -51,30 +51,38 @@ def main() -> int:
         use_local_updates=False, shutdown_timeout=3.0, verbose=args.verbose,
     )
     emit("ready", epoch=opt.local_epoch)
-    # like `node join --min-peers`: train only once this peer's progress tracker sees the other peers, otherwise
-    # hivemind steps alone ("Skipping pre-scheduled averaging round: there are no other peers")
-    deadline = time.monotonic() + args.min_peers_timeout
-    while opt.tracker.global_progress.num_peers < args.min_peers:
-        if time.monotonic() > deadline:
-            emit("error", message=f"tracker saw {opt.tracker.global_progress.num_peers} peer(s) after "
-                                  f"{args.min_peers_timeout}s, wanted {args.min_peers}")
-            return 3
-        time.sleep(0.1)
-    emit("synced", peers=opt.tracker.global_progress.num_peers)
-    if args.wait_go:
-        sys.stdin.readline()
-    epoch = opt.local_epoch
     model.train()
+    data = batches(task, hparams, args.seed, args.batch_size, start=args.start)
+    epoch = opt.local_epoch
+
+    def train_on(batch) -> float:
+        loss = task.loss(model, batch)
+        loss.backward()
+        opt.step(batch_size=batch_len(batch))
+        opt.zero_grad()
+        return float(loss.detach())
+
     try:
-        for batch in batches(task, hparams, args.seed, args.batch_size, start=args.start):
+        # like `node join --min-peers 2`: hivemind's progress tracker publishes a peer only once it has accumulated
+        # samples, and a peer that sees no others steps alone ("there are no other peers"). So: one batch, then
+        # wait until the tracker sees the other peer(s), then (with --wait-go) wait for the common start.
+        train_on(next(data))
+        deadline = time.monotonic() + args.min_peers_timeout
+        while opt.tracker.global_progress.num_peers < args.min_peers:
+            if time.monotonic() > deadline:
+                emit("error", message=f"tracker saw {opt.tracker.global_progress.num_peers} peer(s) after "
+                                      f"{args.min_peers_timeout}s, wanted {args.min_peers}")
+                return 3
+            time.sleep(0.1)
+        emit("synced", peers=opt.tracker.global_progress.num_peers, epoch=opt.local_epoch)
+        if args.wait_go:
+            sys.stdin.readline()
+        for batch in data:
             if opt.local_epoch >= total_steps:
                 break
-            loss = task.loss(model, batch)
-            loss.backward()
-            opt.step(batch_size=batch_len(batch))
-            opt.zero_grad()
+            loss = train_on(batch)
             if opt.local_epoch != epoch:
-                emit("step", step=opt.local_epoch, jumped=opt.local_epoch - epoch - 1, loss=float(loss.detach()))
+                emit("step", step=opt.local_epoch, jumped=opt.local_epoch - epoch - 1, loss=loss)
                 epoch = opt.local_epoch
         emit("left", step=opt.local_epoch)
     finally:

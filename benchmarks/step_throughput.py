@@ -39,7 +39,19 @@ SYSTEMS = ("swarmrun", "hivemind", "local")
 
 
 class RunFailed(Exception):
-    pass
+    def __init__(self, message: str, partial: Optional[dict] = None):
+        super().__init__(message)
+        self.partial = partial
+
+
+def partial_figure(peer: Optional["Peer"], target_batch_size: int) -> Optional[dict]:
+    """The figure over the steps a failed run did commit (reported apart, never in the medians)."""
+    if peer is None:
+        return None
+    try:
+        return figure([e for e in peer.events if e.get("event") == "step"], target_batch_size)
+    except RunFailed:
+        return None
 
 
 class Peer:
@@ -188,7 +200,8 @@ def run_swarmrun(opts, log_dir: Path) -> dict[str, Any]:
             out["warning"] = f"peer a left at step {left.get('step')} ({left.get('reason')})"
         return out
     except RunFailed as e:
-        raise RunFailed(f"{e}; " + "; ".join(f"{p.name} stderr tail: {p.stderr_tail(600)!r}" for p in peers)) from None
+        raise RunFailed(f"{e}; " + "; ".join(f"{p.name} stderr tail: {p.stderr_tail(600)!r}" for p in peers),
+                        partial_figure(peers[0] if peers else None, opts.target_batch_size)) from None
     finally:
         for p in peers:
             p.kill()
@@ -224,7 +237,8 @@ def run_hivemind(opts, log_dir: Path) -> dict[str, Any]:
             out["warning"] = f"peer a left at epoch {left.get('step')}"
         return out
     except RunFailed as e:
-        raise RunFailed(f"{e}; " + "; ".join(f"{p.name} stderr tail: {p.stderr_tail(600)!r}" for p in peers)) from None
+        raise RunFailed(f"{e}; " + "; ".join(f"{p.name} stderr tail: {p.stderr_tail(600)!r}" for p in peers),
+                        partial_figure(peers[0] if peers else None, opts.target_batch_size)) from None
     finally:
         for p in peers:
             p.kill()
@@ -261,7 +275,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--repeats", type=int, default=3, help="runs of each system, interleaved (default 3)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of swarmrun,hivemind,local")
-    p.add_argument("--run-timeout", type=float, default=240.0, help="seconds before a run is killed (default 240)")
+    p.add_argument("--run-timeout", type=float, default=180.0, help="seconds before a run is killed (default 180)")
     p.add_argument("--startup-timeout", type=float, default=90.0, help="seconds for a peer to start listening")
     p.add_argument("--start-b", type=int, default=None,
                    help="hivemind peer b's start position in the block order (default: half the blocks)")
@@ -313,12 +327,17 @@ def main(argv=None) -> int:
                     record.update(RUNNERS[system](opts, log_dir))
                 except RunFailed as e:
                     record.update(samples_per_s=None, error=str(e))
+                    if e.partial:
+                        record["partial"] = e.partial
                 record["wall_s"] = round(time.monotonic() - t0, 2)
                 runs.append(record)
                 sps = record.get("samples_per_s")
                 say(f"[{rep + 1}/{opts.repeats}] {system:8s} " + (f"{sps:10.1f} samples/s  "
                     f"({record['steps_in_window']} steps in {record['window_s']:.3f}s, wall {record['wall_s']}s)"
-                    if sps is not None else f"FAILED: {record['error'][:300]}"))
+                    if sps is not None else f"FAILED: {record['error'][:300]}" + (
+                        f" (before failing: {record['partial']['samples_per_s']:.1f} samples/s over steps "
+                        f"{record['partial']['first_step']}..{record['partial']['last_step']})"
+                        if record.get("partial") else "")))
                 if opts.json:
                     print(json.dumps(dict(event="run", **record)), flush=True)
     except KeyboardInterrupt:
@@ -347,7 +366,8 @@ def main(argv=None) -> int:
                       repeats=opts.repeats, sets=opts.sets, peers=2),
         medians=medians, figures=figures, ratio_vs_hivemind=ratio("swarmrun", "hivemind"),
         ratio_vs_local=ratio("swarmrun", "local"),
-        failed=[dict(system=r["system"], repeat=r["repeat"], error=r["error"]) for r in runs if r.get("error")],
+        failed=[dict(system=r["system"], repeat=r["repeat"], error=r["error"], partial=r.get("partial"))
+                for r in runs if r.get("error")],
         runs=runs,
     )
     if opts.json:

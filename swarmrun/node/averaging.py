@@ -171,8 +171,9 @@ class RoundAverager(DecentralizedAverager):
     async def _set_round_context(self, step: int, cursor: dict) -> None:
         self._round_step = step
         self._round_cursor = DataCursor.from_dict(cursor)
-        # peers at different steps must never meet: the group key carries the step
-        self._matchmaking.group_key_manager.prefix = f"{self.prefix}_s{step}"  # no "." in a group prefix
+        # peers at different steps must never meet: the group key carries the step (as its group bits; the key's
+        # prefix must stay, hivemind derives the state-download key from it)
+        self._matchmaking.group_key_manager.group_bits = format(step, "040b")
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext

@@ -33,6 +33,9 @@ from ..protocol.round import (
     decide_claims,
     decide_commit,
     progress_key,
+    pick_blocks,
+    preferred_hash,
+    should_resync,
     should_start_round,
     vote_key,
 )
@@ -175,19 +178,16 @@ class Trainer:
                 await self._publish_report()  # the last word: finished or where we stopped
 
     def _behind(self) -> bool:
-        others = [r for p, r in self.view.reports.items() if p != self.peer_id and r.role == Role.TRAINER]
-        return any(r.step > self.state.step for r in others)
+        return should_resync(self.view, me=self.peer_id, step=self.state.step, state_hash=self.state_hash)
 
     # ---- gradients -----------------------------------------------------------------------------------
     def _take_blocks(self) -> list[int]:
         cursor = self.state.cursor
         count = max(1, math.ceil(self.config.batch_size / cursor.block_size))
         leased = self.view.leased(me=self.peer_id, step=self.state.step, data_epoch=cursor.data_epoch)
-        blocks = cursor.next_blocks(count, exclude=self.claimed.add(leased), start_hint=self.walk)
-        if blocks:
-            order_pos = cursor.num_blocks and (self.walk + len(blocks)) % cursor.num_blocks
-            self.walk = order_pos
-        return blocks
+        members = sorted(set(self.view.trainers) | {self.peer_id})
+        return pick_blocks(cursor, count, member=members.index(self.peer_id), members=len(members),
+                           exclude=self.claimed.add(leased), salt=self.walk)
 
     async def _compute_once(self) -> None:
         blocks = self._take_blocks()
@@ -285,7 +285,8 @@ class Trainer:
         deadline = time.monotonic() + self.config.vote_timeout
         votes: dict[str, Vote] = {}
         while True:
-            votes = await self._read_votes(key)
+            # a vote of an earlier attempt at this step (another group) is not a vote in this round
+            votes = {p: v for p, v in (await self._read_votes(key)).items() if v.group_id == mine.group_id}
             if not ok or all(p in votes for p in outcome.peer_ids) or time.monotonic() > deadline:
                 break
             if any(not v.ok for v in votes.values() if v.group_id == mine.group_id):
@@ -445,8 +446,8 @@ async def load_state_from_swarm(averager: RoundAverager, state: RunState, view: 
             last_error = str(e)
             await asyncio.sleep(0.5)
             continue
-        vouched = {r.state_hash for p, r in view.reports.items() if p != me and r.step == manifest.step}
-        if vouched and manifest.state_hash() not in vouched:
+        wanted = preferred_hash(view, step=manifest.step, me=me)
+        if wanted is not None and manifest.state_hash() != wanted:
             last_error = f"downloaded state of step {manifest.step} is not the one live trainers report"
             await asyncio.sleep(0.5)
             continue

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 from .codec import pack, unpack
-from .cursor import DataCursor, RangeSet, block_examples
+from .cursor import DataCursor, RangeSet, block_examples, block_order
 from .errors import Reject, Rejection, RemoteProtocolError
 
 ROUND_VERSION = 1
@@ -133,6 +133,26 @@ class ClaimDecision:
     refused: tuple[int, ...]  # indices of participants whose claims overlapped (weight 0)
 
 
+def pick_blocks(cursor: DataCursor, count: int, *, member: int, members: int, exclude: RangeSet,
+                salt: int = 0) -> list[int]:
+    """Up to ``count`` unapplied blocks for trainer ``member`` of ``members`` (sorted peer ids): positions of
+    the data order that are ``member`` modulo ``members`` first, so live trainers do not meet; then, near the
+    end of an epoch, any other free block from a position given by ``salt``. ``exclude``: blocks held by this
+    peer or leased by others."""
+    order = block_order(cursor.seed, cursor.data_epoch, cursor.num_blocks)
+    taken = exclude.add(cursor.applied)
+    out = [b for pos, b in enumerate(order) if pos % members == member and b not in taken][:count]
+    if len(out) < count:
+        n = len(order)
+        for pos in range(salt % n, salt % n + n):
+            b = order[pos % n]
+            if b not in taken and b not in out:
+                out.append(b)
+                if len(out) == count:
+                    break
+    return out
+
+
 def claim_samples(blocks: RangeSet, cursor: DataCursor) -> int:
     """Number of examples in these blocks (the last block of the dataset may be short)."""
     return sum(len(block_examples(b, cursor.block_size, cursor.num_examples)) for b in blocks)
@@ -152,22 +172,20 @@ def _claim_valid(meta: RoundMeta, cursor: DataCursor) -> bool:
 
 
 def decide_claims(metas: Sequence[RoundMeta], cursor: DataCursor) -> ClaimDecision:
-    """Accept each participant's claim unless it overlaps an applied block or another participant's claim.
+    """Accept each participant's claim unless it overlaps an applied block or a claim accepted before it
+    (in gathered order, so the first of two overlapping claims keeps its blocks).
 
     A claim from another data epoch than the cursor's, outside the dataset, or whose declared sample count
     differs from what its blocks hold, is refused as a whole. The weight of an accepted participant is the
     sample count of its blocks; a refused one contributes with weight 0.
     """
-    refused = {i for i, meta in enumerate(metas) if not _claim_valid(meta, cursor)}
-    for i in range(len(metas)):
-        for j in range(i + 1, len(metas)):
-            if not metas[i].blocks.intersect(metas[j].blocks).is_empty:
-                refused.update((i, j))
+    refused = set()
     applied = RangeSet()
     samples = 0
     weights = []
-    for i, meta in enumerate(metas):
-        if i in refused:
+    for i, meta in enumerate(metas):  # the gathered order is the same on every participant
+        if not _claim_valid(meta, cursor) or not meta.blocks.intersect(applied).is_empty:
+            refused.add(i)
             weights.append(0.0)
         else:
             weights.append(float(meta.samples))
@@ -311,6 +329,30 @@ class SwarmView:
             if peer != me and r.step == step and r.data_epoch == data_epoch:
                 out = out.add(r.claimed)
         return out
+
+
+def should_resync(view: SwarmView, *, me: str, step: int, state_hash: str) -> bool:
+    """Whether this peer must fetch the swarm's state: a trainer is ahead of it, or at its step the trainers
+    disagree with its state and outnumber those that agree (ties go to the smaller hash), which heals a split
+    that a lost view of the swarm could cause."""
+    others = {p: r for p, r in view.trainers.items() if p != me}
+    if any(r.step > step for r in others.values()):
+        return True
+    counts: dict[str, int] = {state_hash: 1}
+    for r in others.values():
+        if r.step == step:
+            counts[r.state_hash] = counts.get(r.state_hash, 0) + 1
+    best = min(counts, key=lambda h: (-counts[h], h))
+    return best != state_hash
+
+
+def preferred_hash(view: SwarmView, *, step: int, me: str = "") -> Optional[str]:
+    """The state_hash most other trainers at ``step`` report (ties to the smaller hash); None if none does."""
+    counts: dict[str, int] = {}
+    for p, r in view.trainers.items():
+        if p != me and r.step == step:
+            counts[r.state_hash] = counts.get(r.state_hash, 0) + 1
+    return min(counts, key=lambda h: (-counts[h], h)) if counts else None
 
 
 def should_start_round(view: SwarmView, *, me: str, step: int, samples: int, target_batch_size: int) -> bool:

@@ -25,11 +25,25 @@ def test_claims_weight_by_samples_of_blocks():
     assert set(d.applied) == {0, 1, 2, 12}
 
 
-def test_overlapping_claims_get_weight_zero_and_are_not_applied():
+def test_overlapping_claim_gets_weight_zero_and_is_not_applied():
     d = decide_claims([meta([0, 1]), meta([1, 2]), meta([5])], CURSOR)
-    assert d.weights == (0.0, 0.0, 8.0)
-    assert d.refused == (0, 1)
-    assert set(d.applied) == {5}
+    assert d.weights == (16.0, 0.0, 8.0)  # the first of the overlapping claims keeps its blocks
+    assert d.refused == (1,)
+    assert set(d.applied) == {0, 1, 5}
+
+
+def test_pick_blocks_partitions_the_order_among_trainers():
+    from swarmrun.protocol.round import pick_blocks
+
+    cursor = DataCursor.new(seed=3, num_examples=8 * 40, block_size=8)
+    a = pick_blocks(cursor, 10, member=0, members=2, exclude=RangeSet())
+    b = pick_blocks(cursor, 10, member=1, members=2, exclude=RangeSet())
+    assert len(a) == len(b) == 10 and not set(a) & set(b)
+    after = cursor.apply(RangeSet.from_items(a + b))
+    assert not set(pick_blocks(after, 10, member=0, members=2, exclude=RangeSet())) & set(a + b)
+    # near the end of an epoch a trainer takes any free block rather than none
+    rest = pick_blocks(after, 40, member=0, members=2, exclude=RangeSet())
+    assert len(rest) == 20 and not set(rest) & set(a + b)
 
 
 def test_claims_on_applied_blocks_or_other_epoch_or_lying_counts_are_refused():
@@ -101,3 +115,21 @@ def test_messages_roundtrip_and_reject_garbage():
             Vote.decode(bad)
         with pytest.raises(RemoteProtocolError):
             ProgressReport.decode(bad)
+
+
+def test_resync_when_behind_or_outvoted_at_my_step():
+    from swarmrun.protocol.round import should_resync
+
+    def rep(step, h):
+        return ProgressReport(step=step, samples=0, samples_per_second=0.0, role=Role.TRAINER, state_hash=h, time=0.0)
+
+    ahead = SwarmView(reports={"me": rep(3, "x"), "b": rep(4, "y")})
+    assert should_resync(ahead, me="me", step=3, state_hash="x")
+    agree = SwarmView(reports={"me": rep(3, "x"), "b": rep(3, "x"), "c": rep(2, "z")})
+    assert not should_resync(agree, me="me", step=3, state_hash="x")
+    outvoted = SwarmView(reports={"me": rep(3, "x"), "b": rep(3, "y"), "c": rep(3, "y")})
+    assert should_resync(outvoted, me="me", step=3, state_hash="x")
+    assert not should_resync(outvoted, me="b", step=3, state_hash="y")
+    tie = SwarmView(reports={"me": rep(3, "b-hash"), "o": rep(3, "a-hash")})
+    assert should_resync(tie, me="me", step=3, state_hash="b-hash")
+    assert not should_resync(tie, me="o", step=3, state_hash="a-hash")
