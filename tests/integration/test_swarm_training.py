@@ -40,7 +40,7 @@ def test_three_peers_train_loss_falls_and_states_agree(tmp_path):
 
 
 def test_peer_killed_during_allreduce_never_half_applies(tmp_path):
-    """A peer SIGKILLs itself in the middle of the all-reduce of step 3 (fault injected by data)."""
+    """A peer SIGKILLs itself in the middle of its first all-reduce at step >= 3 (fault injected by data)."""
     with Swarm(tmp_path, "killed") as swarm:
         common = ("--matchmaking-time", "1.0")
         swarm.create("p0", "--task", "synthetic", "--set", "total_steps=8", "--set", "hidden=256",
@@ -50,7 +50,8 @@ def test_peer_killed_during_allreduce_never_half_applies(tmp_path):
         assert swarm.wait_exit("victim", timeout=240) != 0
         for name in ("p0", "p1"):
             assert swarm.wait_exit(name, timeout=240) == 0, swarm.log(name)[-3000:]
-        assert [e["step"] for e in swarm.events("victim", "step")][-1] == 3
+        assert swarm.events("victim", "left") == []  # it died in a round, it did not leave
+        assert max(e["step"] for e in swarm.events("victim", "step")) < 8
         for step, by_peer in hashes_by_step(swarm, ("p0", "p1", "victim")).items():
             assert len(set(by_peer.values())) == 1, (step, by_peer)
         lefts = [swarm.events(n, "left")[0] for n in ("p0", "p1")]
