@@ -168,7 +168,7 @@ class Trainer:
                         await asyncio.sleep(self.config.report_interval)
                     continue
                 if should_start_round(self.view, me=self.peer_id, step=self.state.step, samples=self.samples,
-                                      target_batch_size=self.spec.target_batch_size):
+                                      target_batch_size=self._target()):
                     await self.run_round()
                 else:
                     await self._compute_once()
@@ -176,6 +176,14 @@ class Trainer:
             reporter.cancel()
             if self.dht.is_alive():
                 await self._publish_report()  # the last word: finished or where we stopped
+
+    def _target(self) -> int:
+        """Samples a step needs: target_batch_size, or what is left of the data epoch (its last step is short)."""
+        cursor, target = self.state.cursor, self.spec.target_batch_size
+        pending = cursor.pending()
+        if len(pending) * cursor.block_size > target + cursor.block_size:  # cheap: far from the epoch's end
+            return target
+        return min(target, claim_samples(pending, cursor))
 
     def _behind(self) -> bool:
         return should_resync(self.view, me=self.peer_id, step=self.state.step, state_hash=self.state_hash)
@@ -235,7 +243,7 @@ class Trainer:
 
     async def run_round(self) -> None:
         """One attempt at the next step. Commits, or abandons and keeps the accumulated gradients."""
-        if len(self.view.trainers) <= 1 and self.samples >= self.spec.target_batch_size:
+        if len(self.view.trainers) <= 1 and self.samples >= self._target():
             await self._commit_alone()
             return
         meta = self._meta()
@@ -294,7 +302,7 @@ class Trainer:
             await asyncio.sleep(0.05)
         live = max(len(self.view.trainers), len(outcome.peer_ids))
         decision = decide_commit(mine=mine, votes=votes, group=outcome.peer_ids, live_trainers=live,
-                                 samples=claims.samples, target_batch_size=self.spec.target_batch_size)
+                                 samples=claims.samples, target_batch_size=self._target())
         return decision, claims
 
     async def _read_votes(self, key: str) -> dict[str, Vote]:
