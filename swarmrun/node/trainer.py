@@ -7,6 +7,7 @@ and averager run in their own processes and are reached through their public API
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import time
@@ -306,15 +307,7 @@ class Trainer:
         return decision, claims
 
     async def _read_votes(self, key: str) -> dict[str, Vote]:
-        found = await _await(self.dht.get(key, latest=True, return_future=True))
-        votes = {}
-        if found is not None and isinstance(found.value, dict):
-            for subkey, item in found.value.items():
-                try:
-                    votes[str(subkey)] = Vote.decode(item.value)
-                except (ProtocolError, AttributeError, TypeError):
-                    continue
-        return votes
+        return await read_subkeys(self.dht, key, Vote.decode)
 
     def _abandon(self, reason: str) -> None:
         self.stats["rounds_abandoned"] += 1
@@ -419,17 +412,22 @@ class Trainer:
             logger.debug(f"averager shutdown: {e!r}")
 
 
-async def read_view(dht: DHT, run_id: str) -> SwarmView:
-    """The live progress reports of a run, by peer id (malformed ones are ignored)."""
-    found = await _await(dht.get(progress_key(run_id), latest=True, return_future=True))
-    reports = {}
+async def read_subkeys(dht: DHT, key: str, decode) -> dict:
+    """The decoded values of a DHT key's subkeys, by subkey (malformed ones are ignored)."""
+    found = await _await(dht.get(key, latest=True, return_future=True))
+    out = {}
     if found is not None and isinstance(found.value, dict):
         for subkey, item in found.value.items():
             try:
-                reports[str(subkey)] = ProgressReport.decode(item.value)
+                out[str(subkey)] = decode(item.value)
             except (ProtocolError, AttributeError, TypeError):
                 continue
-    return SwarmView(reports=reports)
+    return out
+
+
+async def read_view(dht: DHT, run_id: str) -> SwarmView:
+    """The live progress reports of a run, by peer id (malformed ones are ignored)."""
+    return SwarmView(reports=await read_subkeys(dht, progress_key(run_id), ProgressReport.decode))
 
 
 async def load_state_from_swarm(averager: RoundAverager, state: RunState, view: SwarmView, *, timeout: float,
@@ -474,8 +472,6 @@ def verify_downloaded(metadata, tensors, spec_hash: str) -> tuple[Manifest, dict
     if len(tensors) != len(manifest.tensors):
         raise IncompatibleState(f"provider sent {len(tensors)} tensors, its manifest lists {len(manifest.tensors)}")
     named = {}
-    import hashlib
-
     for entry, t in zip(manifest.tensors, tensors):
         raw = tensor_bytes(t.cpu())
         if hashlib.sha256(raw).hexdigest() != entry.digest or tuple(t.shape) != tuple(entry.shape):
