@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -85,6 +85,26 @@ class RunState:
         }
         return tensors, content
 
+    def freeze(self, *, chunk_size: int = DEFAULT_CHUNK_SIZE, info: Optional[Mapping[str, Any]] = None) -> "FrozenState":
+        """Copy the state into one buffer (tensors end to end) with its manifest: what providers serve and
+        snapshots write, while training goes on with the live objects."""
+        tensors, content = self.capture()
+        total = sum(t.numel() * t.element_size() for _, t in tensors)
+        data = bytearray(total)
+        view, offset, described = memoryview(data), 0, []
+        for name, t in tensors:
+            raw = tensor_bytes(t)
+            view[offset:offset + raw.nbytes] = raw
+            described.append((name, _DTYPES[t.dtype], tuple(t.shape), view[offset:offset + raw.nbytes]))
+            offset += raw.nbytes
+        manifest = build_manifest(spec_hash=self.spec_hash, step=self.step, tensors=described, content=content,
+                                  info=dict(self.info if info is None else info), chunk_size=chunk_size)
+        return FrozenState(manifest=manifest, data=view.toreadonly())
+
+    def apply_frozen(self, frozen: "FrozenState") -> None:
+        """Replace this peer's state with a frozen one (verified by whoever assembled it)."""
+        self.apply(frozen.manifest, frozen.tensors())
+
     def manifest(self, *, chunk_size: int = DEFAULT_CHUNK_SIZE, captured=None) -> Manifest:
         tensors, content = captured if captured is not None else self.capture()
         return build_manifest(
@@ -133,6 +153,45 @@ class RunState:
         self.scheduler.load_state_dict(sched)
         self.cursor = DataCursor.from_dict(content["cursor"])
         self.step = manifest.step
+
+
+@dataclass(frozen=True)
+class FrozenState:
+    """A state at one step, frozen: its manifest and its tensor bytes laid end to end in one read-only buffer.
+
+    Providers serve chunks of it, snapshots write it, a joiner assembles one from chunks. Holding a reference
+    keeps it alive: a transfer in progress pins the copy it started on while training moves on.
+    """
+
+    manifest: Manifest
+    data: memoryview
+
+    def __post_init__(self) -> None:
+        if self.data.nbytes != self.manifest.total_bytes:
+            raise IncompatibleState(f"state buffer holds {self.data.nbytes} bytes, its manifest {self.manifest.total_bytes}")
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    def chunk(self, index: int) -> memoryview:
+        """The bytes of chunk ``index`` (a view, no copy)."""
+        start, end = self.manifest.chunk_range(index)
+        return self.data[start:end]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The state's tensors by manifest name, as CPU tensors (copies)."""
+        return {e.name: tensor_from_bytes(self.data[e.offset:e.offset + e.nbytes], e.dtype, e.shape)
+                for e in self.manifest.tensors}
+
+    def faults(self) -> list[str]:
+        """Check every chunk and tensor digest against the manifest; the faults found (empty: it verifies)."""
+        found = [f"chunk {i} does not match its hash" for i in range(len(self.manifest.chunks))
+                 if not self.manifest.verify_chunk(i, self.chunk(i))]
+        for e in self.manifest.tensors:
+            if hashlib.sha256(self.data[e.offset:e.offset + e.nbytes]).hexdigest() != e.digest:
+                found.append(f"tensor {e.name} does not match its hash")
+        return found
 
 
 def _plain(obj):
