@@ -38,6 +38,15 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--max-steps", type=int, default=None, help="leave once the run reaches step N")
     j.add_argument("--min-peers", type=int, default=1, help="do not step until this many trainers are live")
     j.add_argument("--matchmaking-time", type=float, default=2.0, help="seconds to gather a group for a round")
+    j.add_argument("--resume-from", default=None, metavar="STORE[@STEP]",
+                   help="restart the run from a snapshot (the newest complete one, or STEP); --set may change "
+                        "lr, target_batch_size, total_steps (owner's --state-dir only)")
+    j.add_argument("--snapshot-to", default=None, metavar="STORE",
+                   help="write snapshots of the run to this directory or fsspec URL (one elected peer writes)")
+    j.add_argument("--snapshot-every", default="auto", metavar="N|Nm|Ns|auto",
+                   help="every N steps, N minutes or seconds, or auto: Young/Daly from the measured cost and "
+                        "the observed failure rate (default)")
+    j.add_argument("--snapshot-keep", type=int, default=3, metavar="K", help="keep the last K snapshots (default 3)")
     j.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
     j.add_argument("-v", "--verbose", action="store_true", help="debug logs, hivemind's included")
 
@@ -57,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
 
     sub.add_parser("tasks", help="list the installed tasks")
+    from .snapshot_cli import add_parsers
+
+    add_parsers(sub, epilog=EXIT_CODES, swarm_args=_swarm_args)
     return p
 
 
@@ -93,6 +105,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .status import run_status
 
             return run_status(args, events)
+        if args.command in ("snapshot", "pause"):
+            from .snapshot_cli import run_command
+
+            return run_command(args, events)
     except SwarmrunError as e:
         events.emit("error", code=e.exit_code, kind=type(e).__name__, message=str(e))
         return e.exit_code
@@ -162,7 +178,13 @@ def _join(args, events) -> int:
         raise UsageError("--min-peers must be >= 1")
     if args.matchmaking_time <= 0:
         raise UsageError("--matchmaking-time must be positive")
+    snapshot = None
+    if args.snapshot_to is not None:
+        from .snapshot_peer import SnapshotOptions
+
+        snapshot = SnapshotOptions(store=args.snapshot_to, every=args.snapshot_every, keep=args.snapshot_keep)
     opts = JoinOptions(
+        resume_from=args.resume_from, snapshot=snapshot,
         run_id=args.run_id, task=args.task, sets=parse_sets(args.sets),
         seed=args.seed if args.seed is not None else DEFAULT_SEED, swarm=swarm_config(args),
         trainer=TrainerConfig(batch_size=args.batch_size, device=args.device, max_steps=args.max_steps,

@@ -43,6 +43,8 @@ class JoinOptions:
     swarm: SwarmConfig
     trainer: TrainerConfig = TrainerConfig()
     resolve_timeout: float = 8.0  # how long to look for an existing run's spec
+    resume_from: Optional[str] = None  # STORE[@STEP]: restart the run from a snapshot
+    snapshot: Optional["SnapshotOptions"] = None  # --snapshot-to STORE ...
 
 
 def check_run_id(run_id: str) -> str:
@@ -177,9 +179,22 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
         SwarmrunError: with the exit code of the failure.
     """
     check_run_id(opts.run_id)
+    from .snapshot_peer import SnapshotSide, SnapshotWriter, apply_resume, plan_resume
+    from .swarm import ensure_identity
+
     creating = opts.task is not None
-    if not creating and not opts.swarm.initial_peers:
-        raise UsageError("give --task NAME to create a new run, or --peers MADDR (or SWARMRUN_PEERS) to join one")
+    resuming = opts.resume_from is not None
+    if creating and resuming:
+        raise UsageError("--task creates a new run and --resume-from restarts one from a snapshot: give one of them")
+    if not creating and not resuming and not opts.swarm.initial_peers:
+        raise UsageError("give --task NAME to create a new run, --resume-from STORE to restart one from a snapshot, "
+                         "or --peers MADDR (or SWARMRUN_PEERS) to join one")
+    if opts.snapshot is not None:
+        opts.snapshot.policy()  # a bad --snapshot-every or --snapshot-keep fails before anything starts
+    plan = None
+    if resuming:  # the snapshot is loaded and verified before the swarm starts: a bad one fails fast
+        plan = await asyncio.to_thread(plan_resume, opts.resume_from, run_id=opts.run_id, sets=dict(opts.sets),
+                                       key=ensure_identity(opts.swarm.state_dir)[1])
     task_cls = None
     if creating:
         try:
@@ -199,6 +214,13 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
             spec, task = make_spec(run_id=opts.run_id, task_cls=task_cls, sets=opts.sets, seed=opts.seed,
                                    owner_key=public_key_bytes(key))
             signed = SignedSpec.sign(spec, key.sign)
+        elif resuming:
+            if opts.swarm.initial_peers and await fetch_spec(dht, opts.run_id, timeout=2.0) is not None:
+                raise UsageError(f"run {opts.run_id!r} is live at the given peers: join it with --peers, "
+                                 f"without --resume-from")
+            signed = plan.signed
+            spec = signed.spec
+            task = build_task_for(spec)
         else:
             if opts.sets:
                 raise UsageError("--set applies to a new run (with --task); an existing run keeps its spec")
@@ -209,12 +231,24 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
             task = build_task_for(spec)
         spec_task = asyncio.create_task(_publish_spec_forever(dht, signed))
         state = initial_state(spec, task, device)
+        if plan is not None:
+            apply_resume(state, plan)
         trainer = Trainer(spec=spec, task=task, dht=dht, state=state, events=events,
                           config=_with_device(opts.trainer, device))
         events.emit("listening", run_id=spec.run_id, peer_id=peer_id,
                     maddrs=[str(m) for m in dht.get_visible_maddrs()], spec_hash=spec.spec_hash(),
                     task=spec.task, created=creating)
-        if not creating:
+        history = plan.history if plan is not None else ()
+        writer = None
+        if opts.snapshot is not None:
+            writer = SnapshotWriter(trainer, options=opts.snapshot, signed=signed, history=history, events=events)
+        side = SnapshotSide(trainer=trainer, signed=signed, history=history, events=events, writer=writer,
+                            started_step=state.step)
+        if plan is not None:
+            events.emit("resumed", step=state.step, state_hash=trainer.state_hash, where=plan.snapshot.where,
+                        manifest_hash=plan.snapshot.frozen.manifest.manifest_hash(),
+                        cursor=state.cursor.summary(), amended=plan.changes)
+        if not creating and not resuming:
             view = await read_view(dht, spec.run_id)
             if view.trainers or view.reports:
                 t0 = time.perf_counter()
@@ -223,7 +257,9 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
                 events.emit("bootstrapped", step=state.step, state_hash=trainer.state_hash,
                             seconds=round(time.perf_counter() - t0, 3))
         _install_signal_handlers(trainer)
+        side.start()
         reason = await trainer.run()
+        await side.close(reason)
         events.emit("left", reason=reason, step=trainer.state.step, state_hash=trainer.state_hash,
                     cursor=trainer.state.cursor.summary(), **trainer.stats)
         return reason

@@ -1,0 +1,373 @@
+"""A peer's side of snapshots: the elected writer (a commit hook), the pause watcher, and resuming a run.
+
+Training never waits for storage: the commit hook only decides (``decide_snapshot``, a pure function) and
+hands the already frozen state of the step (``trainer.frozen``, the copy the trainer makes anyway to serve
+joiners) to a worker thread. One write is in flight at a time; a step that comes while one is, waits for
+the next decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from hivemind.utils.timed_storage import get_dht_time
+
+from ..protocol.codec import pack, unpack
+from ..protocol.errors import AccessRefused, IncompatibleState, ProtocolError, SwarmrunError, UsageError
+from ..protocol.snapshot import (
+    Amendment,
+    FailureWatch,
+    PauseNote,
+    PauseRecord,
+    SnapshotPolicy,
+    amend_changes,
+    decide_snapshot,
+    elect_writer,
+    history_key,
+    parse_every,
+    pause_key,
+    paused_key,
+)
+from ..protocol.spec import SignedSpec, Spec, amend
+from .snapshot import Snapshot, SnapshotStore, WriteResult, open_ref
+from .state import FrozenState, RunState
+from .swarm import public_key_bytes, verify_signature
+
+logger = logging.getLogger("swarmrun.snapshot")
+HISTORY_TTL = 120.0
+NOTE_TTL = 300.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotOptions:
+    """``--snapshot-to STORE [--snapshot-every N|Nm|Ns|auto] [--snapshot-keep K]``."""
+
+    store: str
+    every: Optional[str] = "auto"
+    keep: int = 3
+
+    def policy(self) -> SnapshotPolicy:
+        steps, seconds, auto = parse_every(self.every)
+        if self.keep < 1:
+            raise UsageError("--snapshot-keep must be >= 1")
+        return SnapshotPolicy(every_steps=steps, every_seconds=seconds, auto=auto, keep=self.keep)
+
+
+# ---- resume ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ResumePlan:
+    """What ``--resume-from`` restarts: the verified snapshot, the (possibly amended) signed spec, the history."""
+
+    snapshot: Snapshot
+    signed: SignedSpec
+    history: tuple[bytes, ...]
+    changes: dict
+
+
+def verified_history(history, spec: Spec) -> tuple[bytes, ...]:
+    """Check each amendment is the owner's and the chain ends at ``spec``; the history as given.
+
+    Raises:
+        IncompatibleState: a bad signature or a broken chain.
+    """
+    last = None
+    for raw in history:
+        try:
+            a = Amendment.decode(raw)
+        except ProtocolError as e:
+            raise IncompatibleState(f"the run's amendment history is malformed: {e}") from None
+        a.verify(spec.owner_key, verify_signature)
+        if last is not None and a.from_spec != last:
+            raise IncompatibleState("the run's amendment history is not a chain")
+        last = a.to_spec
+    if last is not None and last != spec.spec_hash():
+        raise IncompatibleState("the run's amendment history does not end at its spec")
+    return tuple(history)
+
+
+def plan_resume(ref: str, *, run_id: str, sets: dict, key) -> ResumePlan:
+    """Load and verify a snapshot to restart a run from; with ``sets``, amend its spec (owner only).
+
+    Raises:
+        RunNotFound: no snapshot there. IncompatibleState: corrupt or foreign snapshot. AccessRefused: an
+        amendment by a key that is not the run's owner. UsageError: a setting that may not change.
+    """
+    store, step = open_ref(ref)
+    snap = store.load(step)
+    try:
+        signed = SignedSpec.decode(snap.record.signed_spec)
+    except ProtocolError as e:
+        raise IncompatibleState(f"snapshot {snap.where} holds no valid spec: {e}") from None
+    signed.verify(verify_signature)
+    spec = signed.spec
+    if spec.spec_hash() != snap.frozen.manifest.spec_hash:
+        raise IncompatibleState(f"snapshot {snap.where} holds a state of another spec than its own (foreign)")
+    if spec.run_id != run_id:
+        raise IncompatibleState(f"snapshot {snap.where} is of run {spec.run_id!r}, not {run_id!r}")
+    history = verified_history(snap.record.history, spec)
+    if not sets:
+        return ResumePlan(snap, signed, history, {})
+    changes = amend_changes(sets, spec.hparams)
+    if public_key_bytes(key) != spec.owner_key:
+        raise AccessRefused(f"only the owner of run {run_id!r} may change its settings; this --state-dir holds "
+                            f"another key")
+    new_spec = amend(spec, **changes)
+    record = Amendment(step=snap.frozen.step, from_spec=spec.spec_hash(), to_spec=new_spec.spec_hash(),
+                       changes=changes, time=time.time())
+    record = replace(record, signature=bytes(key.sign(record.unsigned_bytes())))
+    return ResumePlan(snap, SignedSpec.sign(new_spec, key.sign), (*history, record.encode()), changes)
+
+
+def apply_resume(state: RunState, plan: ResumePlan) -> None:
+    """Load the snapshot into ``state`` (built from the plan's spec); an amended lr or schedule takes effect now."""
+    new_hash = state.spec_hash
+    state.spec_hash = plan.snapshot.frozen.manifest.spec_hash
+    state.apply_frozen(plan.snapshot.frozen)
+    state.spec_hash = new_hash
+    if not plan.changes:
+        return
+    sched, groups = state.scheduler, state.optimizer.param_groups
+    if "lr" in plan.changes:
+        lr = float(plan.changes["lr"])
+        for g in groups:
+            g["initial_lr"] = lr
+        if hasattr(sched, "base_lrs"):
+            sched.base_lrs = [lr for _ in sched.base_lrs]
+        for g in groups:
+            g["lr"] = lr
+    if hasattr(sched, "lr_lambdas"):  # the schedule's functions come from the amended spec (total_steps)
+        for g, base, fn in zip(groups, sched.base_lrs, sched.lr_lambdas):
+            g["lr"] = base * fn(sched.last_epoch)
+        sched._last_lr = [g["lr"] for g in groups]
+
+
+# ---- the writer --------------------------------------------------------------------------------------------
+class SnapshotWriter:
+    """Writes snapshots of the run when this peer is the elected writer and the policy says so (a commit hook)."""
+
+    def __init__(self, trainer, *, options: SnapshotOptions, signed: SignedSpec, history: tuple[bytes, ...], events):
+        self.trainer, self.options, self.signed, self.history, self.events = trainer, options, signed, history, events
+        self.policy = options.policy()
+        self.store = SnapshotStore(options.store, keep=self.policy.keep)
+        existing = [s for s in self.store.steps()]
+        self.last_step: Optional[int] = None
+        self.last_time: Optional[float] = None
+        self.cost_s: Optional[float] = None
+        self.failures = FailureWatch(started=time.monotonic())
+        self.step_s: Optional[float] = None
+        self._last_commit: Optional[float] = None
+        self._inflight: Optional[asyncio.Task] = None
+        self._reported_interval: Optional[float] = None
+        if existing:
+            logger.info(f"snapshot store {options.store} holds steps {existing}")
+
+    def on_commit(self, frozen: FrozenState) -> None:
+        now = time.monotonic()
+        if self._last_commit is not None:
+            dt = now - self._last_commit
+            self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
+        self._last_commit = now
+        t = self.trainer
+        self.failures.update(now, t.view.trainers, t.peer_id)
+        elected = elect_writer(t.view.trainers, t.peer_id) == t.peer_id
+        d = decide_snapshot(now, step=frozen.step, last_step=self.last_step, last_time=self.last_time,
+                            policy=self.policy, cost_s=self.cost_s, failures=self.failures.failures,
+                            observed_s=self.failures.observed_s(now), elected=elected)
+        if d.interval_s is not None and (self._reported_interval is None
+                                         or abs(d.interval_s - self._reported_interval) > 0.2 * self._reported_interval):
+            self._reported_interval = d.interval_s
+            steps = f" (~{d.replay_s / self.step_s:.1f} steps)" if self.step_s else ""
+            logger.info(f"snapshot policy {d.reason}; expected replayed work after a failure "
+                        f"~{d.replay_s:.1f}s{steps}")
+            self.events.emit("snapshot_policy", interval_s=round(d.interval_s, 3), cost_s=self.cost_s,
+                             failures=self.failures.failures, expected_replay_s=round(d.replay_s, 3),
+                             expected_replay_steps=round(d.replay_s / self.step_s, 2) if self.step_s else None)
+        if d.write and (self._inflight is None or self._inflight.done()):
+            self._inflight = asyncio.ensure_future(self._write(frozen, d.reason))
+
+    async def _write(self, frozen: FrozenState, reason: str, store: Optional[SnapshotStore] = None) -> Optional[WriteResult]:
+        store = store or self.store
+        self.last_step, self.last_time = frozen.step, time.monotonic()
+        history = await self._current_history()
+        try:
+            result = await asyncio.to_thread(store.write, frozen, signed_spec=self.signed.encode(), history=history,
+                                             writer=self.trainer.peer_id)
+        except SwarmrunError as e:
+            logger.warning(str(e))
+            self.events.emit("snapshot_failed", step=frozen.step, message=str(e))
+            return None
+        self.cost_s = result.seconds if self.cost_s is None else 0.7 * self.cost_s + 0.3 * result.seconds
+        self.events.emit("snapshot", step=result.step, where=result.where, seconds=round(result.seconds, 3),
+                         chunks_written=result.chunks_written, chunks_reused=result.chunks_reused,
+                         bytes_written=result.bytes_written, dropped=list(result.dropped), reason=reason,
+                         state_hash=frozen.manifest.state_hash(), manifest_hash=frozen.manifest.manifest_hash())
+        return result
+
+    async def _current_history(self) -> tuple[bytes, ...]:
+        if self.history:
+            return self.history
+        try:  # a peer that joined an amended run learns its history from the peers that resumed it
+            found = await asyncio.wait_for(_get(self.trainer.dht, history_key(self.signed.spec.run_id)), 5.0)
+            if found:
+                self.history = verified_history(found, self.signed.spec)
+        except (asyncio.TimeoutError, SwarmrunError, ValueError) as e:
+            logger.warning(f"snapshot without the amendment history: {e}")
+        return self.history
+
+    async def write_now(self, frozen: FrozenState, reason: str, store: Optional[SnapshotStore] = None) -> Optional[WriteResult]:
+        """Write this state now (pause, last peer leaving), after any write in flight."""
+        await self.flush()
+        if store is None and self.last_step is not None and self.last_step >= frozen.step:
+            return WriteResult(step=frozen.step, where=f"{self.store.url}@{frozen.step}", chunks_written=0,
+                               chunks_reused=len(frozen.manifest.chunks), bytes_written=0, seconds=0.0, dropped=())
+        return await self._write(frozen, reason, store)
+
+    async def flush(self) -> None:
+        if self._inflight is not None:
+            await asyncio.shield(self._inflight)
+
+
+async def _get(dht, key: str):
+    from .trainer import _await
+
+    found = await _await(dht.get(key, latest=True, return_future=True))
+    if found is None:
+        return None
+    value = unpack(found.value, max_size=1 << 20)
+    if not isinstance(value, list) or not all(isinstance(v, bytes) for v in value):
+        raise ValueError("malformed history record")
+    return tuple(value)
+
+
+async def _store(dht, key: str, value: bytes, ttl: float, subkey: Optional[str] = None) -> None:
+    from .trainer import _await
+
+    await _await(dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True))
+
+
+# ---- the peer side of pause, history publishing, the last peer's snapshot -------------------------------------
+@dataclass
+class SnapshotSide:
+    """Everything snapshot-related a peer runs next to its trainer; ``close()`` before it leaves."""
+
+    trainer: object
+    signed: SignedSpec
+    history: tuple[bytes, ...]
+    events: object
+    writer: Optional[SnapshotWriter] = None
+    started_step: int = 0
+    started_time: float = field(default_factory=get_dht_time)
+    pause: Optional[PauseRecord] = None
+    paused_at: Optional[int] = None
+    _tasks: list = field(default_factory=list)  # background loops, cancelled on close
+    _pausing: list = field(default_factory=list)  # pause snapshots, awaited on close
+
+    def start(self) -> None:
+        t = self.trainer
+        if self.writer is not None:
+            t.commit_hooks.append(self.writer.on_commit)
+        t.commit_hooks.append(self._on_commit)
+        self._tasks.append(asyncio.ensure_future(self._watch_pause()))
+        if self.history:
+            self._tasks.append(asyncio.ensure_future(self._publish_history()))
+
+    async def _publish_history(self) -> None:
+        while True:
+            try:
+                await _store(self.trainer.dht, history_key(self.signed.spec.run_id), pack(list(self.history)),
+                             HISTORY_TTL)
+            except Exception as e:
+                logger.debug(f"could not publish the amendment history: {e!r}")
+            await asyncio.sleep(HISTORY_TTL / 4)
+
+    def _honoured(self, record: PauseRecord) -> bool:
+        spec = self.trainer.spec
+        if record.run_id != spec.run_id or record.spec_hash != spec.spec_hash():
+            return False
+        # a pause that this run resumed from (or an earlier one) is history, not a request
+        if record.time < self.started_time and record.at_step <= self.started_step:
+            return False
+        return record.verify(spec.owner_key, verify_signature)
+
+    async def _watch_pause(self) -> None:
+        t = self.trainer
+        key = pause_key(t.spec.run_id)
+        while self.paused_at is None:
+            if self.pause is None:
+                self.pause = await self._read_pause(key)
+            # a peer that reached the pause step other than by a commit (a re-sync) pauses here
+            if self.pause is not None and t.state.step >= self.pause.at_step and t.frozen is not None:
+                if t.frozen.step >= self.pause.at_step and not self._pausing:
+                    self._pausing.append(asyncio.ensure_future(self._pause_now(t.frozen)))
+            await asyncio.sleep(t.config.report_interval)
+
+    async def _read_pause(self, key: str) -> Optional[PauseRecord]:
+        from .trainer import _await
+
+        try:
+            found = await _await(self.trainer.dht.get(key, latest=True, return_future=True))
+            if found is None:
+                return None
+            record = PauseRecord.decode(found.value)
+        except ProtocolError as e:
+            logger.warning(f"malformed pause record: {e}")
+            return None
+        except Exception as e:
+            logger.debug(f"could not read the pause record: {e!r}")
+            return None
+        if not self._honoured(record):
+            logger.debug("ignoring a pause record that is not the owner's, or not for this run")
+            return None
+        logger.info(f"the run's owner paused it at step {record.at_step}")
+        return record
+
+    def _on_commit(self, frozen: FrozenState) -> None:
+        if self.pause is not None and not self._pausing and frozen.step >= self.pause.at_step:
+            self.trainer.stop_requested.set()  # before any other await: no further step starts here
+            self._pausing.append(asyncio.ensure_future(self._pause_now(frozen)))
+
+    async def _pause_now(self, frozen: FrozenState) -> None:
+        if self.paused_at is not None:
+            return
+        t = self.trainer
+        self.paused_at = frozen.step
+        t.stop_requested.set()
+        if elect_writer(t.view.trainers, t.peer_id) != t.peer_id:
+            return
+        if self.writer is None and not self.pause.store:
+            note = PauseNote(step=frozen.step, error="the elected writer has no --snapshot-to and the pause gave no --to")
+        else:
+            writer = self.writer or SnapshotWriter(t, options=SnapshotOptions(store=self.pause.store),
+                                                   signed=self.signed, history=self.history, events=self.events)
+            store = SnapshotStore(self.pause.store, keep=writer.policy.keep) if self.pause.store and self.writer else None
+            result = await writer.write_now(frozen, "pause", store)
+            note = PauseNote(step=frozen.step, where=result.where if result else "",
+                             state_hash=frozen.manifest.state_hash(), manifest_hash=frozen.manifest.manifest_hash(),
+                             error="" if result else "the snapshot could not be written (see the peer's log)")
+        await self._note(note)
+
+    async def _note(self, note: PauseNote) -> None:
+        try:
+            await _store(self.trainer.dht, paused_key(self.trainer.spec.run_id), note.encode(), NOTE_TTL,
+                         subkey=self.trainer.peer_id)
+        except Exception as e:
+            logger.warning(f"could not publish the pause note: {e!r}")
+
+    async def close(self, reason: str) -> None:
+        """Before leaving: finish the write in flight; the last trainer of a run with a store writes its state;
+        a paused peer says it left."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._pausing, return_exceptions=True)
+        t = self.trainer
+        if self.writer is not None:
+            await self.writer.flush()
+            others = [p for p, r in t.view.trainers.items() if p != t.peer_id and not r.finished]
+            if self.paused_at is None and reason in ("stopped", "max_steps") and not others and t.frozen is not None:
+                await self.writer.write_now(t.frozen, "last peer of the run leaving")
+        if self.paused_at is not None:
+            await self._note(PauseNote(step=self.paused_at, left=True))
