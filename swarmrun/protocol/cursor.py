@@ -23,6 +23,9 @@ __all__ = ["RangeSet", "DataCursor", "block_order", "block_examples", "num_block
 
 _HISTORY_KEYS = frozenset({"epoch", "applied", "skipped", "duplicated"})
 _CURSOR_KEYS = frozenset({"seed", "num_examples", "block_size", "data_epoch", "applied", "duplicated", "history"})
+# optional: a cursor written before it existed, or of a task without one, has no data fingerprint
+_OPTIONAL_KEYS = frozenset({"data_fingerprint"})
+_MAX_FINGERPRINT = 128
 _MAX_INT = 2**63 - 1
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # the range msgpack carries, as in Spec.seed
 
@@ -201,7 +204,9 @@ class DataCursor:
 
     ``applied`` and ``duplicated`` hold block ids of the current data epoch;
     ``history`` holds one ``dict(epoch=, applied=, skipped=, duplicated=)`` per
-    closed epoch (counts of distinct blocks). Construction validates consistency.
+    closed epoch (counts of distinct blocks). ``data_fingerprint`` names the
+    dataset the block ids count (empty: unknown), so a state of other data is
+    refused rather than trained on. Construction validates consistency.
 
     Raises:
         LocalProtocolError: the fields are inconsistent.
@@ -214,8 +219,11 @@ class DataCursor:
     applied: RangeSet = field(default_factory=RangeSet)
     duplicated: RangeSet = field(default_factory=RangeSet)
     history: tuple = ()
+    data_fingerprint: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.data_fingerprint, str) or len(self.data_fingerprint) > _MAX_FINGERPRINT:
+            raise LocalProtocolError(f"cursor data_fingerprint must be a string of at most {_MAX_FINGERPRINT} chars")
         if not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX:
             raise LocalProtocolError(f"cursor seed must be a 64-bit int, got {self.seed!r}")
         for name in ("num_examples", "block_size", "data_epoch"):
@@ -250,9 +258,9 @@ class DataCursor:
         return hash(pack(self.to_dict()))
 
     @classmethod
-    def new(cls, *, seed: int, num_examples: int, block_size: int) -> DataCursor:
+    def new(cls, *, seed: int, num_examples: int, block_size: int, data_fingerprint: str = "") -> DataCursor:
         """Return the cursor of a new run: data epoch 0, nothing applied."""
-        return cls(seed=seed, num_examples=num_examples, block_size=block_size)
+        return cls(seed=seed, num_examples=num_examples, block_size=block_size, data_fingerprint=data_fingerprint)
 
     @property
     def num_blocks(self) -> int:
@@ -307,12 +315,13 @@ class DataCursor:
             return DataCursor(
                 seed=self.seed, num_examples=self.num_examples, block_size=self.block_size,
                 data_epoch=self.data_epoch, applied=applied, duplicated=duplicated, history=self.history,
+                data_fingerprint=self.data_fingerprint,
             )
         closed = {"epoch": self.data_epoch, "applied": len(applied), "skipped": n - len(applied),
                   "duplicated": len(duplicated)}
         return DataCursor(
             seed=self.seed, num_examples=self.num_examples, block_size=self.block_size,
-            data_epoch=self.data_epoch + 1, history=self.history + (closed,),
+            data_epoch=self.data_epoch + 1, history=self.history + (closed,), data_fingerprint=self.data_fingerprint,
         )
 
     def summary(self) -> dict[str, int]:
@@ -326,7 +335,9 @@ class DataCursor:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the plain, msgpack-able form."""
+        """Return the plain, msgpack-able form (without ``data_fingerprint`` when it is empty, so a cursor
+        of a state written before the field existed keeps its bytes and its state_hash)."""
+        extra = {"data_fingerprint": self.data_fingerprint} if self.data_fingerprint else {}
         return {
             "seed": self.seed,
             "num_examples": self.num_examples,
@@ -335,6 +346,7 @@ class DataCursor:
             "applied": self.applied.to_list(),
             "duplicated": self.duplicated.to_list(),
             "history": [dict(h) for h in self.history],
+            **extra,
         }
 
     @classmethod
@@ -344,8 +356,9 @@ class DataCursor:
         Raises:
             RemoteProtocolError: ``d`` is not a valid cursor.
         """
-        if not isinstance(d, Mapping) or set(d) != _CURSOR_KEYS:
-            raise RemoteProtocolError(f"cursor must be a map with keys {sorted(_CURSOR_KEYS)}")
+        if not isinstance(d, Mapping) or not _CURSOR_KEYS <= set(d) <= _CURSOR_KEYS | _OPTIONAL_KEYS:
+            raise RemoteProtocolError(f"cursor must be a map with keys {sorted(_CURSOR_KEYS)} "
+                                      f"(and optionally {sorted(_OPTIONAL_KEYS)})")
         if not isinstance(d["history"], list):
             raise RemoteProtocolError("cursor history must be a list")
         try:
@@ -353,18 +366,40 @@ class DataCursor:
                 seed=d["seed"], num_examples=d["num_examples"], block_size=d["block_size"],
                 data_epoch=d["data_epoch"], applied=RangeSet.from_list(d["applied"]),
                 duplicated=RangeSet.from_list(d["duplicated"]), history=tuple(d["history"]),
+                data_fingerprint=d.get("data_fingerprint", ""),
             )
         except LocalProtocolError as exc:
             raise RemoteProtocolError(f"invalid cursor: {exc}") from None
 
-    def check_compatible(self, *, num_examples: int, block_size: int) -> None:
-        """Check that this cursor counts the same data as a spec.
+    def check_compatible(self, *, num_examples: int, block_size: int, data_fingerprint: str = "",
+                         seed: int | None = None) -> None:
+        """Check that this cursor counts the same data as a spec or a dataset.
+
+        An empty ``data_fingerprint`` (here or given) is not compared: a cursor written before cursors held
+        one is still accepted when its size and block size agree.
 
         Raises:
-            IncompatibleState: ``num_examples`` or ``block_size`` differ.
+            IncompatibleState: the number of examples, the block size, the fingerprint or the seed differ.
         """
         if (self.num_examples, self.block_size) != (num_examples, block_size):
             raise IncompatibleState(
                 f"data cursor counts {self.num_examples} examples in blocks of {self.block_size}, "
-                f"but the spec has {num_examples} examples in blocks of {block_size}"
+                f"but the dataset has {num_examples} examples in blocks of {block_size}"
             )
+        if self.data_fingerprint and data_fingerprint and self.data_fingerprint != data_fingerprint:
+            raise IncompatibleState(
+                f"data cursor is of dataset {self.data_fingerprint[:12]}, but this dataset's fingerprint is "
+                f"{data_fingerprint[:12]}: the state was trained on other data"
+            )
+        if seed is not None and self.seed != seed:
+            raise IncompatibleState(f"data cursor walks the data order of seed {self.seed}, the run's seed is {seed}")
+
+    def check_same_data(self, expected: DataCursor) -> None:
+        """Check that this (received) cursor counts the same dataset, in the same order, as ``expected``
+        (the cursor this peer builds from the spec and its own task).
+
+        Raises:
+            IncompatibleState: they differ in size, block size, fingerprint or seed.
+        """
+        self.check_compatible(num_examples=expected.num_examples, block_size=expected.block_size,
+                              data_fingerprint=expected.data_fingerprint, seed=expected.seed)

@@ -21,6 +21,7 @@ ROUND_VERSION = 1
 MAX_META_BYTES = 64 * 1024
 MAX_REPORT_BYTES = 16 * 1024
 MAX_LEASE_RANGES = 256
+SUMMARY_KEYS = frozenset({"blocks_applied", "blocks_pending", "blocks_skipped", "blocks_duplicated", "data_epoch"})
 
 # DHT keys of a run (values are signed by the writer's key once access control lands)
 def progress_key(run_id: str) -> str:
@@ -153,6 +154,15 @@ def pick_blocks(cursor: DataCursor, count: int, *, member: int, members: int, ex
     return out
 
 
+def step_target(cursor: DataCursor, target_batch_size: int) -> int:
+    """Samples a step needs: ``target_batch_size``, or what is left of the data epoch when less is left (the
+    epoch's last step is short rather than reaching into the next epoch's order)."""
+    pending = cursor.pending()
+    if len(pending) * cursor.block_size > target_batch_size + cursor.block_size:  # cheap: far from the epoch's end
+        return target_batch_size
+    return min(target_batch_size, claim_samples(pending, cursor))
+
+
 def claim_samples(blocks: RangeSet, cursor: DataCursor) -> int:
     """Number of examples in these blocks (the last block of the dataset may be short)."""
     return sum(len(block_examples(b, cursor.block_size, cursor.num_examples)) for b in blocks)
@@ -280,12 +290,15 @@ class ProgressReport:
     # (the DHT has no compare-and-swap; the round decides, see decide_claims)
     claimed: RangeSet = RangeSet()
     data_epoch: int = 0
+    # the reporter's data accounting at ``step`` (DataCursor.summary()); None from a peer that sends none
+    cursor: Optional[Mapping[str, int]] = None
 
     def encode(self) -> bytes:
+        extra = {"cursor": dict(self.cursor)} if self.cursor is not None else {}
         return pack(dict(type="progress", version=ROUND_VERSION, step=self.step, samples=self.samples,
                          sps=self.samples_per_second, role=self.role.value, state_hash=self.state_hash,
                          time=self.time, maddrs=list(self.maddrs[:8]), finished=self.finished,
-                         claimed=self.claimed.to_list()[:MAX_LEASE_RANGES], data_epoch=self.data_epoch))
+                         claimed=self.claimed.to_list()[:MAX_LEASE_RANGES], data_epoch=self.data_epoch, **extra))
 
     @classmethod
     def decode(cls, data: bytes) -> "ProgressReport":
@@ -299,7 +312,15 @@ class ProgressReport:
         return cls(step=_int(d, "step"), samples=_int(d, "samples", 0, 2**40), samples_per_second=_float(d, "sps"),
                    role=Role(d["role"]), state_hash=_str(d, "state_hash", 128), time=_float(d, "time"),
                    maddrs=tuple(maddrs), finished=d.get("finished", False),
-                   claimed=RangeSet.from_list(d.get("claimed", [])), data_epoch=_int(d, "data_epoch"))
+                   claimed=RangeSet.from_list(d.get("claimed", [])), data_epoch=_int(d, "data_epoch"),
+                   cursor=_summary(d["cursor"]) if "cursor" in d else None)
+
+
+def _summary(d: object) -> dict[str, int]:
+    """A cursor summary received in a progress report: the keys of ``DataCursor.summary()`` (others, from a newer
+    peer, are dropped)."""
+    _require(isinstance(d, dict) and SUMMARY_KEYS <= set(d), f"cursor summary must have keys {sorted(SUMMARY_KEYS)}")
+    return {key: _int(d, key) for key in sorted(SUMMARY_KEYS)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -329,6 +350,16 @@ class SwarmView:
             if peer != me and r.step == step and r.data_epoch == data_epoch:
                 out = out.add(r.claimed)
         return out
+
+
+def run_accounting(view: SwarmView) -> Optional[dict[str, int]]:
+    """The run's data accounting as its live peers report it: the cursor summary of the newest step, from a
+    peer holding the state most trainers at that step hold; None if no peer at that step reports one."""
+    step = view.newest_step
+    wanted = preferred_hash(view, step=step)
+    candidates = sorted((p, r) for p, r in view.reports.items() if r.step == step and r.cursor is not None)
+    ranked = sorted(candidates, key=lambda pr: (pr[1].state_hash != wanted, pr[0]))
+    return dict(ranked[0][1].cursor) if ranked else None
 
 
 def should_resync(view: SwarmView, *, me: str, step: int, state_hash: str) -> bool:

@@ -165,3 +165,31 @@ def test_from_dict_random_input_only_remote_protocol_error(d):
         DataCursor.from_dict(d)
     except RemoteProtocolError:
         pass
+
+
+def test_fingerprint_travels_and_a_cursor_of_other_data_is_refused():
+    mine = DataCursor.new(seed=1, num_examples=100, block_size=10, data_fingerprint="f" * 64)
+    moved = mine.apply(RangeSet.from_items(range(10)))  # an epoch closes: the fingerprint stays
+    assert moved.data_fingerprint == mine.data_fingerprint
+    received = DataCursor.from_dict(unpack(pack(moved.to_dict())))
+    assert received == moved
+    received.check_same_data(mine)
+    other_data = DataCursor.new(seed=1, num_examples=100, block_size=10, data_fingerprint="e" * 64)
+    with pytest.raises(IncompatibleState, match="other data"):
+        other_data.check_same_data(mine)
+    with pytest.raises(IncompatibleState, match="99 examples"):
+        DataCursor.new(seed=1, num_examples=100, block_size=10).check_same_data(
+            DataCursor.new(seed=1, num_examples=99, block_size=10))
+    with pytest.raises(IncompatibleState, match="seed"):
+        DataCursor.new(seed=2, num_examples=100, block_size=10).check_same_data(mine)
+    # a cursor written before cursors held a fingerprint: same bytes as before, accepted on size alone
+    legacy = DataCursor.new(seed=1, num_examples=100, block_size=10)
+    assert "data_fingerprint" not in legacy.to_dict()
+    legacy.check_same_data(mine)
+
+
+def test_from_dict_rejects_a_bad_fingerprint():
+    d = DataCursor.new(seed=1, num_examples=100, block_size=10).to_dict()
+    for bad in (5, "x" * 129, None):
+        with pytest.raises(RemoteProtocolError):
+            DataCursor.from_dict({**d, "data_fingerprint": bad})

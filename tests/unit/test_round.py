@@ -133,3 +133,31 @@ def test_resync_when_behind_or_outvoted_at_my_step():
     tie = SwarmView(reports={"me": rep(3, "b-hash"), "o": rep(3, "a-hash")})
     assert should_resync(tie, me="me", step=3, state_hash="b-hash")
     assert not should_resync(tie, me="o", step=3, state_hash="a-hash")
+
+
+def test_progress_report_carries_the_cursor_summary_and_tolerates_its_absence():
+    from swarmrun.protocol.codec import pack, unpack
+    from swarmrun.protocol.round import run_accounting
+
+    summary = CURSOR.apply(RangeSet.from_items([0, 1])).summary()
+    r = ProgressReport(step=4, samples=0, samples_per_second=1.0, role=Role.TRAINER, state_hash="h", time=0.0,
+                       cursor=summary)
+    assert ProgressReport.decode(r.encode()) == r
+    plain = unpack(r.encode())
+    del plain["cursor"]  # a peer of an older version sends none
+    assert ProgressReport.decode(pack(plain)).cursor is None
+    for bad in ({"blocks_applied": 1}, {**summary, "blocks_pending": -1}, [1, 2], {**summary, "data_epoch": "0"}):
+        with pytest.raises(RemoteProtocolError):
+            ProgressReport.decode(pack({**plain, "cursor": bad}))
+    newer = ProgressReport.decode(pack({**plain, "cursor": {**summary, "blocks_new": 3}}))
+    assert newer.cursor == summary  # keys of a newer peer are dropped
+    # the run's accounting: from the newest step, from the state most trainers there hold
+    other = {**summary, "blocks_applied": 99}
+    view = SwarmView(reports={
+        "a": ProgressReport(step=4, samples=0, samples_per_second=1.0, role=Role.TRAINER, state_hash="y", time=0.0, cursor=other),
+        "b": ProgressReport(step=4, samples=0, samples_per_second=1.0, role=Role.TRAINER, state_hash="x", time=0.0, cursor=summary),
+        "c": ProgressReport(step=4, samples=0, samples_per_second=1.0, role=Role.TRAINER, state_hash="x", time=0.0),
+        "d": ProgressReport(step=3, samples=0, samples_per_second=1.0, role=Role.TRAINER, state_hash="z", time=0.0, cursor=other),
+    })
+    assert run_accounting(view) == summary
+    assert run_accounting(SwarmView(reports={"c": view.reports["c"]})) is None
