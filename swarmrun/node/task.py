@@ -8,11 +8,17 @@ and the examples of a data index are the same everywhere (that is what makes the
 from __future__ import annotations
 
 import abc
+import bisect
+import functools
+import itertools
 import math
+from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 import torch
+
+from ..protocol.cursor import block_examples
 
 ENTRY_POINT_GROUP = "swarmrun.tasks"
 
@@ -66,6 +72,16 @@ class Task(abc.ABC):
     def get_batch(self, indices: Sequence[int]) -> Any:
         """The collated examples at these dataset indices (CPU tensors; a dict or a tuple of tensors)."""
 
+    def batch_for_blocks(self, blocks: Sequence[int], block_size: int) -> Any:
+        """The collated examples of these blocks, block after block: what a trainer computes gradients on.
+
+        Block ``b`` holds the data indices ``[b * block_size, (b + 1) * block_size)`` (the dataset's last block
+        may be short). By default they are fetched with :meth:`get_batch`, so a map-style dataset plugs in by
+        index; :class:`ShardedTask` reads them from shards of a streaming dataset instead.
+        """
+        n = self.num_examples()
+        return self.get_batch([i for b in blocks for i in block_examples(b, block_size, n)])
+
     # --- model and optimization ---------------------------------------------------------------
     @abc.abstractmethod
     def build_model(self) -> torch.nn.Module:
@@ -112,6 +128,109 @@ class Task(abc.ABC):
             return float(self.loss(model, batch))
         finally:
             model.train(was_training)
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """Where the examples of a sharded dataset lie: shards laid end to end in the data order, so data index
+    ``i`` is example ``i - start(s)`` of shard ``s``. A block is then a (shard, offset range), or a few when it
+    crosses a shard boundary (never when every shard but the last holds a multiple of the block size).
+
+    Raises:
+        TaskError: a shard size that is not a positive int, or no shard.
+    """
+
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        sizes = tuple(self.sizes)
+        if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+            raise TaskError(f"shard sizes must be positive ints (at least one shard), got {list(sizes)[:8]}")
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "_starts", tuple(itertools.accumulate(sizes, initial=0)))
+
+    @property
+    def num_examples(self) -> int:
+        return self._starts[-1]
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """``(shard, offset)`` of data index ``index``."""
+        if not 0 <= index < self.num_examples:
+            raise TaskError(f"data index {index} is outside [0, {self.num_examples})")
+        shard = bisect.bisect_right(self._starts, index) - 1
+        return shard, index - self._starts[shard]
+
+    def pieces(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """The data indices ``[start, stop)`` as ``(shard, offset_start, offset_stop)`` pieces, in order."""
+        out = []
+        while start < stop:
+            shard, offset = self.locate(start)
+            take = min(stop - start, self.sizes[shard] - offset)
+            out.append((shard, offset, offset + take))
+            start += take
+        return out
+
+    def block_pieces(self, block: int, block_size: int) -> list[tuple[int, int, int]]:
+        """The examples of ``block`` as ``(shard, offset_start, offset_stop)`` pieces."""
+        examples = block_examples(block, block_size, self.num_examples)
+        return self.pieces(examples.start, examples.stop)
+
+
+class ShardedTask(Task):
+    """A task over an iterable (streaming) dataset cut into shards of known length: files, tar archives,
+    parquet row groups, the pages of a remote store. The run's cursor is the same object as for a map-style
+    dataset: its blocks count examples of the shards laid end to end (:class:`ShardMap`), and a block is read
+    as a (shard, offset range).
+
+    Subclasses give :meth:`shard_sizes` and :meth:`open_shard` (an iterator over a shard's examples, in a
+    fixed order); one that can seek (an index, row groups) overrides :meth:`read_shard` so a block does not
+    read its shard from the start. The data fingerprint (still the subclass's) must change with the shards.
+    """
+
+    @abc.abstractmethod
+    def shard_sizes(self) -> Sequence[int]:
+        """Examples in each shard, in order (fixed for the life of a run)."""
+
+    @abc.abstractmethod
+    def open_shard(self, shard: int) -> Iterable[Any]:
+        """The examples of shard ``shard``, in order (a generator is fine: it is read only as far as needed)."""
+
+    def read_shard(self, shard: int, start: int, stop: int) -> Iterable[Any]:
+        """Examples ``[start, stop)`` of a shard. By default: skip ``start`` examples of :meth:`open_shard`."""
+        return itertools.islice(self.open_shard(shard), start, stop)
+
+    def collate(self, examples: list) -> Any:
+        """Stack examples into a batch (torch's ``default_collate``)."""
+        return torch.utils.data.default_collate(examples)
+
+    @functools.cached_property
+    def shard_map(self) -> ShardMap:
+        return ShardMap(tuple(self.shard_sizes()))
+
+    def num_examples(self) -> int:
+        return self.shard_map.num_examples
+
+    def _read(self, pieces: Iterable[tuple[int, int, int]]) -> list:
+        examples: list = []
+        for shard, start, stop in pieces:
+            got = list(self.read_shard(shard, start, stop))
+            if len(got) != stop - start:
+                raise TaskError(f"shard {shard} gave {len(got)} examples at [{start}, {stop}), its declared size is "
+                                f"{self.shard_map.sizes[shard]}: the data cursor would count examples it never saw")
+            examples += got
+        return examples
+
+    def get_batch(self, indices: Sequence[int]) -> Any:
+        """The examples at these data indices; runs of consecutive indices are read as one piece."""
+        pieces = []
+        for _, run in itertools.groupby(enumerate(indices), key=lambda pair: pair[1] - pair[0]):
+            run = [i for _, i in run]
+            pieces += self.shard_map.pieces(run[0], run[-1] + 1)
+        return self.collate(self._read(pieces))
+
+    def batch_for_blocks(self, blocks: Sequence[int], block_size: int) -> Any:
+        """The examples of these blocks, each read as (shard, offset range) pieces."""
+        return self.collate(self._read(p for b in blocks for p in self.shard_map.block_pieces(b, block_size)))
 
 
 def batch_to(batch: Any, device: torch.device) -> Any:
