@@ -215,8 +215,7 @@ class Trainer:
     def _accumulate(self, blocks: list[int]) -> tuple[float, int]:
         """Add the per-sample sum of gradients of these blocks to ``param.grad`` (runs in a worker thread)."""
         cursor = self.state.cursor
-        indices = [i for b in blocks for i in block_examples(b, cursor.block_size, cursor.num_examples)]
-        batch = batch_to(self.task.get_batch(indices), self.device)
+        batch = batch_to(self.task.batch_for_blocks(blocks, cursor.block_size), self.device)
         n = batch_len(batch)
         model = self.state.model
         model.train()
@@ -375,10 +374,14 @@ class Trainer:
 
     # ---- progress reports ----------------------------------------------------------------------------
     def _report(self) -> ProgressReport:
+        # a leaving peer releases its blocks in its last report rather than holding them until the report expires
+        leaving = self.finished or self.stop_requested.is_set() or (
+            self.config.max_steps is not None and self.state.step >= self.config.max_steps)
         return ProgressReport(step=self.state.step, samples=self.samples, samples_per_second=self.samples_per_second,
                               role=self.config.role, state_hash=self.state_hash, time=get_dht_time(),
                               finished=self.finished or self.state.step >= self.spec.total_steps,
-                              claimed=self.claimed, data_epoch=self.state.cursor.data_epoch)
+                              claimed=RangeSet() if leaving else self.claimed, data_epoch=self.state.cursor.data_epoch,
+                              cursor=self.state.cursor.summary())
 
     async def _publish_report(self) -> None:
         try:
