@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -138,8 +138,6 @@ class RoundAverager(DecentralizedAverager):
       group), decides claims and weights, runs ``ExactAllReduceRunner`` and returns a ``RoundOutcome``
       instead of raising on a partial all-reduce (a retry would run on half-averaged tensors).
     - ``_run_allreduce_inplace_``: copies the averaged parts into the tensors.
-    - ``get_current_state``: serves the frozen state given by ``state_source`` (bootstrap until the
-      multi-source transfer lands).
     """
 
     def __init__(
@@ -148,18 +146,12 @@ class RoundAverager(DecentralizedAverager):
         dht,
         *,
         spec_hash: str,
-        state_source: Callable[[], tuple] = lambda: (None, (), None),
         **kwargs,
     ):
         self.spec_hash = spec_hash
-        self._state_source = state_source
         self._round_step: Optional[int] = None
         self._round_cursor: Optional[DataCursor] = None
         super().__init__(averaged_tensors, dht, **kwargs)
-
-    # ---- runs in the host (trainer) process ---------------------------------------------------------
-    def get_current_state(self):
-        return self._state_source()
 
     # ---- runs in the averager process ---------------------------------------------------------------
     def prepare_round(self, step: int, cursor: DataCursor) -> None:

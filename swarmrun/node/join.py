@@ -26,7 +26,7 @@ from .output import Events, set_log_context
 from .state import RunState
 from .swarm import SwarmConfig, public_key_bytes, start_dht, verify_signature
 from .task import Task, TaskError, load_task_class
-from .trainer import Trainer, TrainerConfig, _await, load_state_from_swarm, read_view
+from .trainer import Trainer, TrainerConfig, _await, read_providers, read_view
 
 logger = logging.getLogger("swarmrun.join")
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -250,12 +250,11 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
                         cursor=state.cursor.summary(), amended=plan.changes)
         if not creating and not resuming:
             view = await read_view(dht, spec.run_id)
-            if view.trainers or view.reports:
+            if view.reports or await read_providers(dht, spec.run_id):
                 t0 = time.perf_counter()
-                await load_state_from_swarm(trainer.averager, state, view, timeout=opts.trainer.state_timeout, me=peer_id)
-                trainer._refresh_served_state()
+                how = await trainer.catch_up(deadline=time.monotonic() + opts.trainer.state_timeout)
                 events.emit("bootstrapped", step=state.step, state_hash=trainer.state_hash,
-                            seconds=round(time.perf_counter() - t0, 3))
+                            seconds=round(time.perf_counter() - t0, 3), **how)
         _install_signal_handlers(trainer)
         side.start()
         reason = await trainer.run()
@@ -267,6 +266,7 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
         if spec_task is not None:
             spec_task.cancel()
         if trainer is not None:
+            await trainer.stop_serving()
             await asyncio.to_thread(trainer.shutdown)
         await asyncio.to_thread(dht.shutdown)
 

@@ -81,6 +81,8 @@ class Events:
             return
         if event == "progress":
             self._progress_line(fields)
+        elif event == "transfer_progress":
+            self._transfer_line(fields)
         else:
             self._stop_live()
             self.console.print(_human(event, fields))
@@ -108,6 +110,27 @@ class Events:
             self._live.start()
         else:
             self._live.update(text)
+
+    def _transfer_line(self, f: dict) -> None:
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+
+        total = max(1, f["total_bytes"])
+        line = Table.grid(padding=(0, 1))
+        line.add_row(f"fetching state of step {f['step']}", ProgressBar(total=total, completed=f["bytes"], width=30),
+                     f"{f['bytes'] / 2**20:.1f}/{total / 2**20:.1f} MiB", f"{f['mb_per_s']} MiB/s",
+                     f"{f['providers']} provider(s)")
+        if not self.console.is_terminal:
+            if f["bytes"] >= total:
+                self.console.print(line)
+            return
+        if self._live is None:
+            from rich.live import Live
+
+            self._live = Live(line, console=self.console, refresh_per_second=4, transient=True)
+            self._live.start()
+        else:
+            self._live.update(line)
 
     def _stop_live(self) -> None:
         if self._live is not None:

@@ -21,9 +21,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from ..protocol.cursor import RangeSet, block_examples
 from ..protocol.errors import IncompatibleState, ProtocolError, SwarmrunError
-from ..protocol.manifest import Manifest
 from ..protocol.round import (
-    Abandon,
     Commit,
     ProgressReport,
     Role,
@@ -41,9 +39,11 @@ from ..protocol.round import (
     vote_key,
 )
 from ..protocol.spec import Spec
+from ..protocol.transfer import Choice, ProviderRecord, choose_state, log_sources, providers_key
 from .averaging import RoundAverager, RoundOutcome
 from .output import Events, set_log_context
-from .state import RunState, digest_tensors, tensor_bytes, tensor_from_bytes
+from .state import FrozenState, RunState, digest_tensors
+from .transfer import Fetcher, StateServer, admit_open, make_step_record, read_step_record
 from .task import Task, batch_len, batch_to
 
 logger = logging.getLogger("swarmrun.trainer")
@@ -97,14 +97,17 @@ class Trainer:
         self.last_loss: Optional[float] = None
         self.failed_rounds = 0
         self.stats = dict(steps_committed=0, rounds_abandoned=0, resyncs=0)
-        self._served = None
+        self.server: Optional[StateServer] = None  # serves self.frozen and the step records to joiners
+        self.fetcher: Optional[Fetcher] = None
+        self._record: Optional[FrozenState] = None  # the step record of the last commit, to publish
+        self.frozen: Optional[FrozenState] = None  # the state of the current step, frozen (served, snapshotted)
+        self.commit_hooks: list = []  # hook(frozen) after every committed step, in this loop; must not block
         self._state_hash = ""
         averaged = [torch.zeros_like(p, device="cpu") for p in self.params]
         self.averager = RoundAverager(
             averaged,
             dht,
             spec_hash=spec.spec_hash(),
-            state_source=self._current_state,
             prefix=f"swarmrun_{spec.run_id}",
             start=True,
             min_matchmaking_time=config.matchmaking_time,
@@ -114,23 +117,35 @@ class Trainer:
             target_group_size=None,
             min_group_size=2,
             auxiliary=config.role == Role.KEEPER,
-            allow_state_sharing=True,
-            declare_state_period=5.0,
+            allow_state_sharing=False,  # state travels through swarmrun's own transfer (transfer.py)
             shutdown_timeout=3.0,
         )
         self._refresh_served_state()
 
     # ---- state served to joiners (frozen copy, refreshed after every commit) ------------------------
     def _refresh_served_state(self) -> None:
-        tensors, content = self.state.capture()
-        manifest = self.state.manifest(captured=(tensors, content))
-        self._state_hash = manifest.state_hash()
-        self._served = (dict(manifest=manifest.encode()), [t for _, t in tensors], None)
-        self.averager.state_sharing_priority = float(self.state.step)
+        """Freeze the state of the current step (runs in the worker thread; published from the loop)."""
+        self.frozen = self.state.freeze()
+        self._state_hash = self.frozen.manifest.state_hash()
         set_log_context(step=self.state.step)
 
-    def _current_state(self):
-        return self._served
+    async def start_serving(self) -> None:
+        """Serve this peer's state and step records over its p2pd, and fetch through it (idempotent)."""
+        if self.server is not None:
+            return
+        p2p = await self.dht.replicate_p2p()
+        admit = admit_open(self.spec.spec_hash())
+        self.server = StateServer(p2p, self.spec.run_id, admit)
+        await self.server.start()
+        self.server.publish_state(self.frozen)
+        self.fetcher = Fetcher(p2p, self.spec.run_id, self.spec.spec_hash(), chunk_timeout=self.config.next_chunk_timeout * 5)
+
+    def _publish(self) -> None:
+        if self.server is not None:
+            self.server.publish_state(self.frozen)
+            if self._record is not None:
+                self.server.publish_record(self._record)
+        self._record = None
 
     @property
     def state_hash(self) -> str:
@@ -143,6 +158,7 @@ class Trainer:
         Returns:
             why it ended: "finished", "max_steps" or "stopped".
         """
+        await self.start_serving()
         reporter = asyncio.create_task(self._report_forever())
         try:
             await self._refresh_view()
@@ -270,6 +286,7 @@ class Trainer:
         decision, claims = await self._vote(outcome)
         if isinstance(decision, Commit):
             await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
+            self._after_commit()
             self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=time.perf_counter() - t0,
                                                           samples=claims.samples))
         else:
@@ -323,18 +340,34 @@ class Trainer:
             self._zero_accumulator()
             return
         await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=False)
+        self._after_commit()
         self.events.emit("step", **self._step_fields(group=1, round_s=0.0, samples=claims.samples))
 
     def _apply_step(self, applied: RangeSet, *, from_buffers: bool) -> None:
-        """The optimizer step in fp32 on the (identical) averaged gradient, then cursor and step advance."""
+        """The committed step: the optimizer on the (identical) averaged gradient, then cursor and step advance."""
         if from_buffers:
             with self.averager.get_tensors() as buffers:
-                for p, buf in zip(self.params, buffers):
-                    p.grad = buf.to(p.device, dtype=p.dtype, copy=True)
+                grads = [buf.to(p.device, dtype=p.dtype, copy=True) for p, buf in zip(self.params, buffers)]
         else:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.div_(max(1, self.samples))
+            grads = [None if p.grad is None else p.grad.div_(max(1, self.samples)) for p in self.params]
+        before = self.state_hash
+        self._optimizer_step(grads, applied)
+        self._zero_accumulator()
+        self.failed_rounds = 0
+        self.stats["steps_committed"] += 1
+        self._record = make_step_record(spec_hash=self.spec.spec_hash(), step=self.state.step - 1, grads=grads,
+                                        applied=applied, data_epoch=self.state.cursor.data_epoch,
+                                        state_hash_before=before, state_hash_after=self.state_hash)
+        every = int(self.spec.hparams.get("eval_every", 0))
+        if every and self.state.step % every == 0 or self.state.step == self.spec.total_steps:
+            loss = self.task.evaluate(self.state.model, self.device)
+            self.events.emit("eval", step=self.state.step, loss=loss)
+
+    def _optimizer_step(self, grads: list[Optional[torch.Tensor]], applied: RangeSet) -> None:
+        """Step ``step -> step + 1`` with these gradients: the same code for a commit and for a replayed step
+        record, so a replay gives the committers' bits."""
+        for p, g in zip(self.params, grads):
+            p.grad = None if g is None else g.to(p.device, dtype=p.dtype, copy=True)  # clipping works in place
         clip = float(self.spec.hparams.get("clip_norm", 0.0))
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=False)
@@ -342,14 +375,17 @@ class Trainer:
         self.state.scheduler.step()
         self.state.step += 1
         self.state.cursor = self.state.cursor.apply(applied)
-        self._zero_accumulator()
-        self.failed_rounds = 0
-        self.stats["steps_committed"] += 1
+        for p in self.params:
+            p.grad = None
         self._refresh_served_state()
-        every = int(self.spec.hparams.get("eval_every", 0))
-        if every and self.state.step % every == 0 or self.state.step == self.spec.total_steps:
-            loss = self.task.evaluate(self.state.model, self.device)
-            self.events.emit("eval", step=self.state.step, loss=loss)
+
+    def _after_commit(self) -> None:
+        self._publish()
+        for hook in list(self.commit_hooks):
+            try:
+                hook(self.frozen)
+            except Exception as e:  # a hook (snapshot writer, ...) must not take the trainer down
+                logger.warning(f"commit hook {getattr(hook, '__name__', hook)!r} failed: {type(e).__name__}: {e}")
 
     def _step_fields(self, **extra) -> dict:
         trainers = self.view.trainers
@@ -359,18 +395,115 @@ class Trainer:
                     state_hash=self.state_hash, samples_per_second=round(sps, 2), peers=max(1, len(trainers)),
                     eta_s=(remaining / sps) if sps > 0 else None, cursor=self.state.cursor.summary(), **extra)
 
-    # ---- re-sync and bootstrap -----------------------------------------------------------------------
+    # ---- catch-up: step records and state transfer -----------------------------------------------------
     async def resync(self) -> None:
-        """Download the newest state from a provider, verify it, apply it (drops local accumulation)."""
+        """Catch up with the swarm (drops local accumulation: it belongs to a step this peer is no longer at)."""
         before = self.state.step
         t0 = time.perf_counter()
-        await load_state_from_swarm(self.averager, self.state, self.view, timeout=self.config.state_timeout,
-                                    me=self.peer_id)
+        how = await self.catch_up(deadline=time.monotonic() + self.config.state_timeout)
         self._zero_accumulator()
-        self._refresh_served_state()
         self.stats["resyncs"] += 1
         self.events.emit("resync", from_step=before, step=self.state.step, state_hash=self.state_hash,
-                         seconds=round(time.perf_counter() - t0, 3))
+                         seconds=round(time.perf_counter() - t0, 3), **how)
+
+    async def catch_up(self, *, deadline: float) -> dict:
+        """Reach the swarm's newest step: replay step records from this state when they reach back to it, else
+        fetch the best-provided recent state from many providers at once and replay the records since.
+
+        Returns:
+            what it took: bytes fetched, state fetches, steps replayed, providers used.
+        Raises:
+            IncompatibleState: nothing verified could be had before ``deadline``.
+        """
+        await self.start_serving()
+        how = dict(bytes=0, fetched=0, replayed=0, providers=0)
+        last_error = "no provider announced a state"
+        while time.monotonic() < deadline:
+            if not self.dht.is_alive():
+                raise SwarmrunError("hivemind's DHT process died; leaving")
+            await self._refresh_view()
+            records = {p: r for p, r in (await read_providers(self.dht, self.spec.run_id)).items() if p != self.peer_id}
+            newest = max([r.step for r in records.values()] + [self.view.newest_step])
+            if self.state.step >= newest and not self._behind():
+                return how
+            if await self._replay(records, newest, deadline, how):
+                continue
+            choice = choose_state(records, trusted_hashes=self._trusted_hashes())
+            if choice is None or (choice.step, choice.state_hash) == (self.state.step, self.state_hash) or \
+                    (choice.step < self.state.step and not self._behind()):
+                await asyncio.sleep(self.config.report_interval)  # nothing better to fetch yet
+                continue
+            try:
+                frozen = await self._fetch_state(choice, deadline, how)
+            except IncompatibleState as e:
+                last_error = str(e)
+                await asyncio.sleep(self.config.report_interval)
+                continue
+            await asyncio.to_thread(self.state.apply_frozen, frozen)
+            await asyncio.to_thread(self._refresh_served_state)
+            if self.server is not None:
+                self.server.drop_records()  # earlier records described another history of this peer
+            self._publish()
+        raise IncompatibleState(f"could not catch up with the swarm within {self.config.state_timeout:.0f}s: {last_error}")
+
+    async def _fetch_state(self, choice: Choice, deadline: float, how: dict) -> FrozenState:
+        total = {"done": 0, "t0": time.monotonic(), "last": 0.0}
+
+        def progress(new_bytes: int, total_bytes: int, active: int) -> None:
+            total["done"] += new_bytes
+            now = time.monotonic()
+            if now - total["last"] >= 0.5 or total["done"] >= total_bytes:
+                total["last"] = now
+                self.events.emit("transfer_progress", step=choice.step, bytes=total["done"], total_bytes=total_bytes,
+                                 mb_per_s=round(total["done"] / max(now - total["t0"], 1e-6) / 2**20, 1),
+                                 providers=active)
+
+        frozen, stats = await self.fetcher.fetch(choice.manifest_hash, choice.providers, deadline=deadline,
+                                                 progress=progress)
+        # chunks verified against the manifest; the manifest's tensor digests and state_hash are checked too
+        faults = await asyncio.to_thread(_tensor_faults, frozen)
+        if faults or frozen.manifest.state_hash() != choice.state_hash:
+            raise IncompatibleState(f"state of step {choice.step} does not verify: {faults[:1] or 'state_hash'}")
+        how["bytes"] += stats.bytes
+        how["fetched"] += 1
+        how["providers"] = max(how["providers"], sum(1 for b in stats.by_provider.values() if b > 0))
+        logger.info(f"fetched state of step {choice.step}: {stats.bytes / 2**20:.1f} MiB in {stats.seconds:.2f}s from "
+                    f"{how['providers']} provider(s)" + (f", resumed {stats.resumed_chunks} chunks" if stats.resumed_chunks else ""))
+        return frozen
+
+    async def _replay(self, records: dict, newest: int, deadline: float, how: dict) -> bool:
+        """Replay announced step records from this peer's step towards ``newest``; True if any was replayed."""
+        replayed = 0
+        while self.state.step < newest and time.monotonic() < deadline:
+            manifest_hash, sources = log_sources(records, self.state.step)
+            if manifest_hash is None:
+                break
+            try:
+                record, stats = await self.fetcher.fetch(manifest_hash, sources,
+                                                         deadline=min(deadline, time.monotonic() + 30.0))
+                grads, applied, before, after = read_step_record(record)
+            except IncompatibleState as e:
+                logger.info(f"step record {self.state.step} unavailable: {e}")
+                break
+            if before != self.state_hash:
+                break  # this peer's state is not the one the record starts from: a whole state is needed
+            await asyncio.to_thread(self._optimizer_step, grads, applied)
+            if self.state_hash != after:
+                # e.g. another device's arithmetic: the replay does not give the committers' bits
+                logger.warning(f"replaying step {self.state.step - 1} did not give the committers' state; fetching one")
+                self.server.drop_records()
+                await asyncio.to_thread(self._refresh_served_state)
+                return False
+            self._record = record
+            self._publish()  # this peer serves the state and the record it replayed, too
+            how["bytes"] += stats.bytes
+            replayed += 1
+        how["replayed"] += replayed
+        return replayed > 0
+
+    def _trusted_hashes(self) -> dict[int, str]:
+        steps = {r.step for p, r in self.view.trainers.items() if p != self.peer_id}
+        return {step: h for step in steps if (h := preferred_hash(self.view, step=step, me=self.peer_id))}
 
     # ---- progress reports ----------------------------------------------------------------------------
     def _report(self) -> ProgressReport:
@@ -383,7 +516,22 @@ class Trainer:
                               claimed=RangeSet() if leaving else self.claimed, data_epoch=self.state.cursor.data_epoch,
                               cursor=self.state.cursor.summary())
 
+    def _provider_record(self) -> Optional[ProviderRecord]:
+        if self.server is None or self.frozen is None:
+            return None
+        return ProviderRecord(step=self.state.step, manifest_hash=self.frozen.manifest.manifest_hash(),
+                              state_hash=self.state_hash, total_bytes=self.frozen.manifest.total_bytes,
+                              time=get_dht_time(), keeper=self.config.role == Role.KEEPER,
+                              serving=self.server.sessions, log=self.server.announced_log())
+
     async def _publish_report(self) -> None:
+        record = self._provider_record()
+        if record is not None:
+            try:
+                await _await(self.dht.store(providers_key(self.spec.run_id), subkey=self.peer_id, value=record.encode(),
+                                            expiration_time=get_dht_time() + self.config.report_ttl, return_future=True))
+            except Exception as e:
+                logger.debug(f"could not announce the served state: {e!r}")
         try:
             await _await(self.dht.store(progress_key(self.spec.run_id), subkey=self.peer_id,
                                         value=self._report().encode(),
@@ -407,6 +555,10 @@ class Trainer:
             if self.config.role == Role.TRAINER and self.state.step > 0:
                 self.events.emit("progress", **self._step_fields())
             await asyncio.sleep(self.config.report_interval)
+
+    async def stop_serving(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
 
     def shutdown(self) -> None:
         try:
@@ -433,54 +585,14 @@ async def read_view(dht: DHT, run_id: str) -> SwarmView:
     return SwarmView(reports=await read_subkeys(dht, progress_key(run_id), ProgressReport.decode))
 
 
-async def load_state_from_swarm(averager: RoundAverager, state: RunState, view: SwarmView, *, timeout: float,
-                                me: str = "") -> None:
-    """Fetch a provider's state through hivemind's download path, verify every tensor against the manifest and
-    the manifest's state_hash against what live trainers report for that step, and apply it.
-
-    Raises:
-        IncompatibleState: nothing verified could be fetched within ``timeout``.
-    """
-    deadline = time.monotonic() + timeout
-    last_error = "no provider answered"
-    while time.monotonic() < deadline:
-        result = await _await(averager.load_state_from_peers(wait=False, timeout=min(30.0, timeout)))
-        if result is None:
-            await asyncio.sleep(0.5)
-            continue
-        metadata, tensors = result
-        try:
-            manifest, named = verify_downloaded(metadata, tensors, state.spec_hash)
-        except (IncompatibleState, ProtocolError) as e:
-            last_error = str(e)
-            await asyncio.sleep(0.5)
-            continue
-        wanted = preferred_hash(view, step=manifest.step, me=me)
-        if wanted is not None and manifest.state_hash() != wanted:
-            last_error = f"downloaded state of step {manifest.step} is not the one live trainers report"
-            await asyncio.sleep(0.5)
-            continue
-        state.apply(manifest, named)
-        return
-    raise IncompatibleState(f"could not fetch a verified state: {last_error}")
+async def read_providers(dht: DHT, run_id: str) -> dict[str, ProviderRecord]:
+    """The live provider records of a run, by peer id (malformed ones are ignored)."""
+    return await read_subkeys(dht, providers_key(run_id), ProviderRecord.decode)
 
 
-def verify_downloaded(metadata, tensors, spec_hash: str) -> tuple[Manifest, dict[str, torch.Tensor]]:
-    """Check received tensors byte for byte against the manifest sent with them."""
-    if not isinstance(metadata, dict) or not isinstance(metadata.get("manifest"), bytes):
-        raise IncompatibleState("provider sent no manifest")
-    manifest = Manifest.decode(metadata["manifest"])
-    if manifest.spec_hash != spec_hash:
-        raise IncompatibleState("provider's state belongs to another spec")
-    if len(tensors) != len(manifest.tensors):
-        raise IncompatibleState(f"provider sent {len(tensors)} tensors, its manifest lists {len(manifest.tensors)}")
-    named = {}
-    for entry, t in zip(manifest.tensors, tensors):
-        raw = tensor_bytes(t.cpu())
-        if hashlib.sha256(raw).hexdigest() != entry.digest or tuple(t.shape) != tuple(entry.shape):
-            raise IncompatibleState(f"tensor {entry.name} does not match its manifest hash")
-        named[entry.name] = tensor_from_bytes(raw, entry.dtype, entry.shape)
-    return manifest, named
+def _tensor_faults(frozen: FrozenState) -> list[str]:
+    return [f"tensor {e.name} does not match its hash" for e in frozen.manifest.tensors
+            if hashlib.sha256(frozen.data[e.offset:e.offset + e.nbytes]).hexdigest() != e.digest]
 
 
 async def _await(mpfuture, timeout: float = 30.0):
