@@ -131,7 +131,8 @@ def initial_state(spec: Spec, task: Task, device: str) -> RunState:
     model = task.build_model().to(device)
     optimizer = task.build_optimizer(model, spec.hparams)
     scheduler = task.build_scheduler(optimizer, spec.hparams)
-    cursor = DataCursor.new(seed=spec.seed, num_examples=spec.num_examples, block_size=spec.block_size)
+    cursor = DataCursor.new(seed=spec.seed, num_examples=spec.num_examples, block_size=spec.block_size,
+                            data_fingerprint=spec.data_fingerprint)
     return RunState(model=model, optimizer=optimizer, scheduler=scheduler, step=0, cursor=cursor,
                     spec_hash=spec.spec_hash(), seed=spec.seed)
 
@@ -231,6 +232,7 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
             task = build_task_for(spec)
         spec_task = asyncio.create_task(_publish_spec_forever(dht, signed))
         state = initial_state(spec, task, device)
+        expected_cursor = state.cursor  # counts this machine's data: what a received state's cursor must count
         if plan is not None:
             apply_resume(state, plan)
         trainer = Trainer(spec=spec, task=task, dht=dht, state=state, events=events,
@@ -255,6 +257,8 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
                 how = await trainer.catch_up(deadline=time.monotonic() + opts.trainer.state_timeout)
                 events.emit("bootstrapped", step=state.step, state_hash=trainer.state_hash,
                             seconds=round(time.perf_counter() - t0, 3), **how)
+        # a state from a snapshot or from the swarm must count this machine's data (size, fingerprint, seed)
+        trainer.state.cursor.check_same_data(expected_cursor)
         _install_signal_handlers(trainer)
         side.start()
         reason = await trainer.run()
