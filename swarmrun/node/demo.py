@@ -164,11 +164,15 @@ def _drive(args, events, peers, sink, maddr, workdir, common, summary, run_id) -
     finishers = {n: e for n, e in lefts.items() if e and e.get("reason") == "finished"}
     hashes = {e["state_hash"] for e in finishers.values()}
     cursor = next(iter(finishers.values()))["cursor"] if finishers else {}
+    # the run's data accounting, read from the final state's cursor (DESIGN invariant 2: none skipped or repeated)
+    accounting = {k: cursor.get(k) for k in ("blocks_applied", "blocks_pending", "blocks_skipped", "blocks_duplicated")}
+    exactly_once = accounting["blocks_skipped"] == 0 and accounting["blocks_duplicated"] == 0
     joined = peers[-1].name
     return dict(final_step=max([final_step, *(e["step"] for e in finishers.values())]), first_loss=first_loss,
                 last_loss=last_loss, peers_finished=len(finishers), same_state_hash=len(hashes) == 1,
                 joined_peer_finished=joined in finishers, exit_codes={p.name: p.proc.poll() for p in peers},
-                cursor=cursor, ok=bool(finishers) and len(hashes) == 1 and joined in finishers)
+                cursor=cursor, **accounting,
+                ok=bool(finishers) and len(hashes) == 1 and joined in finishers and exactly_once)
 
 
 def _reporter(peers, done) -> str:

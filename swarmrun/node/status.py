@@ -9,6 +9,7 @@ from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
 from ..protocol.errors import RunNotFound, UsageError
+from ..protocol.round import SUMMARY_KEYS, run_accounting
 from .join import check_run_id, fetch_spec
 from .trainer import read_view
 
@@ -35,10 +36,12 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
                       age_s=round(max(0.0, now - r.time), 1), finished=r.finished)
                  for p, r in sorted(view.reports.items(), key=lambda kv: (-kv[1].step, kv[0]))]
         spec = signed.spec
+        # the run's data accounting, from the cursor of the newest state (None for each key if no peer reports it)
+        accounting = run_accounting(view) or {}
         return dict(run_id=run_id, task=spec.task, spec_hash=spec.spec_hash(), total_steps=spec.total_steps,
                     target_batch_size=spec.target_batch_size, step=view.newest_step,
                     samples_per_second=round(sum(p["samples_per_second"] for p in peers if p["role"] == "trainer"), 2),
-                    finished=view.finished(), peers=peers)
+                    finished=view.finished(), **{k: accounting.get(k) for k in sorted(SUMMARY_KEYS)}, peers=peers)
     finally:
         await asyncio.to_thread(dht.shutdown)
 
@@ -64,4 +67,10 @@ def run_status(args, events) -> int:
         table.add_row(p["peer_id"][-10:], p["role"], str(p["step"]), str(p["samples"]), str(p["samples_per_second"]),
                       p["state_hash"][:12], f"{p['age_s']}s")
     events.console.print(table)
+    if status["blocks_applied"] is None:
+        events.console.print("data: no peer reports its cursor yet")
+    else:
+        events.console.print(f"data: epoch {status['data_epoch']}, {status['blocks_applied']} blocks applied, "
+                             f"{status['blocks_pending']} pending in this epoch, {status['blocks_skipped']} skipped, "
+                             f"{status['blocks_duplicated']} duplicated")
     return 0
