@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..protocol.errors import SwarmrunError, UsageError
 
@@ -42,10 +42,15 @@ class PeerProcess:
             pass
 
 
-def start_peer(name: str, args: list[str], *, workdir: Path, sink: "queue.Queue") -> PeerProcess:
-    """Start `node join ARGS --json` in its own session; its stdout events go to ``sink`` as (name, event)."""
+def start_peer(name: str, args: list[str], *, workdir: Path, sink: "queue.Queue",
+               prefix: Sequence[str] = (), command: str = "join") -> PeerProcess:
+    """Start `node COMMAND ARGS --json` (join, or keep) in its own session; its stdout events go to ``sink`` as
+    (name, event).
+
+    ``prefix`` wraps the command (the churn harness runs peers under ``ip netns exec NS``; that execs, so the
+    process group is still the peer's)."""
     log = open(workdir / f"{name}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "swarmrun.node.cli", "join", *args, "--json"],
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "swarmrun.node.cli", command, *args, "--json"],
                             stdout=subprocess.PIPE, stderr=log, start_new_session=True)
     peer = PeerProcess(name, proc)
 

@@ -1,0 +1,236 @@
+"""The invariants of DESIGN.md, checked on what the peers printed: pure functions of a :class:`Record`.
+
+The runner records every ``--json`` event with the time it arrived and which incarnation of which peer
+printed it, plus each process's life (start, end, how it ended). Everything here is computed from that
+record alone, so the checks are unit-testable on hand-written records and can be re-run on a saved
+``events.jsonl``.
+
+"Alive" means the process had not exited (a stalled peer is alive: it still holds its state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+STATE_EVENTS = ("step", "bootstrapped", "resync", "resumed", "left")
+
+
+@dataclass
+class Life:
+    """One process: a peer's incarnation (``key`` = ``name.k``)."""
+
+    key: str
+    peer: str
+    start: float
+    end: Optional[float] = None
+    initial: bool = False  # started with the run (not a joiner)
+    resumed: bool = False  # started by a resume after a pause
+    ended_by: str = ""  # kill, leave, pause, finished, exit, cleanup
+
+    def alive_at(self, t: float) -> bool:
+        return self.start <= t and (self.end is None or t < self.end)
+
+
+@dataclass
+class Record:
+    """What a simulation observed: ``events`` are (t, key, event dict) in arrival order."""
+
+    events: list = field(default_factory=list)
+    lives: dict = field(default_factory=dict)  # key -> Life
+    faults: list = field(default_factory=list)  # dicts: t, kind, peer, ...
+    total_steps: int = 0
+    target_batch_size: int = 0
+    end: float = 0.0
+
+    def of(self, *kinds: str):
+        return [(t, k, e) for t, k, e in self.events if e.get("event") in kinds]
+
+
+def _holders(rec: Record) -> dict[tuple[int, str], list[tuple[float, str]]]:
+    """(step, state_hash) -> [(first time, key)] of every process that reported holding it."""
+    out: dict[tuple[int, str], list[tuple[float, str]]] = {}
+    for t, key, e in rec.of(*STATE_EVENTS):
+        if e.get("state_hash") is None or e.get("step") is None:
+            continue
+        lst = out.setdefault((int(e["step"]), e["state_hash"]), [])
+        if all(k != key for _, k in lst):
+            lst.append((t, key))
+    return out
+
+
+def state_hash_agrees(rec: Record) -> tuple[bool, list[str]]:
+    """Invariant 1: every report of step s carries one state_hash. A second hash at s is tolerated only when
+    no process that reported the first one was alive any more (the step was lost with all its holders: a
+    different invariant, counted there)."""
+    holders = _holders(rec)
+    by_step: dict[int, list[tuple[float, str, str]]] = {}
+    for (step, h), lst in holders.items():
+        for t, key in lst:
+            by_step.setdefault(step, []).append((t, key, h))
+    problems = []
+    for step, reports in sorted(by_step.items()):
+        reports.sort()
+        for i, (t, key, h) in enumerate(reports):
+            rivals = [(k2, h2) for t2, k2, h2 in reports[:i] if h2 != h and rec.lives[k2].alive_at(t)]
+            if rivals:
+                problems.append(f"step {step}: {key} reported {h[:12]} while {rivals[0][0]} (alive) had {rivals[0][1][:12]}")
+    return not problems, problems
+
+
+def no_committed_step_lost(rec: Record) -> tuple[bool, list[str]]:
+    """Invariant 3, first half: a process's step never goes back, and a step committed while its holder lives is
+    never committed again with other content; a resumed run starts at the step it paused at or later."""
+    problems, last = [], {}
+    for t, key, e in rec.of(*STATE_EVENTS):
+        step = e.get("step")
+        if step is None:
+            continue
+        if key in last and step < last[key]:
+            problems.append(f"{key} went back from step {last[key]} to {step} ({e['event']})")
+        last[key] = max(step, last.get(key, step))
+    paused = [f.get("step") for f in rec.faults if f["kind"] == "pause" and f.get("step") is not None]
+    for t, key, e in rec.of("resumed"):
+        before = [s for s in paused]
+        if before and e["step"] < max(before):
+            problems.append(f"{key} resumed at step {e['step']} but the run paused at step {max(before)}")
+    ok, forks = state_hash_agrees(rec)
+    return not problems and ok, problems + forks
+
+
+def frontier(rec: Record, t: float) -> tuple[int, list[str]]:
+    """The newest step held by a process alive at ``t`` (from its reports before ``t``), and who holds it."""
+    steps: dict[str, int] = {}
+    for te, key, e in rec.of(*STATE_EVENTS):
+        if te > t:
+            break
+        if e.get("step") is not None:
+            steps[key] = max(steps.get(key, 0), int(e["step"]))
+    alive = {k: s for k, s in steps.items() if rec.lives[k].alive_at(t)}
+    if not alive:
+        return 0, []
+    top = max(alive.values())
+    return top, [k for k, s in alive.items() if s == top]
+
+
+def joiners_reach_current_step(rec: Record) -> tuple[bool, list[str], list[dict]]:
+    """Invariant 3, second half: a joiner bootstraps to at least the step the swarm held when it started (unless
+    every holder of that step died before it finished downloading), and one alive when the run ended ends at
+    the run's final step. Returns (ok, problems, one row per joiner for the report)."""
+    final = max([int(e["step"]) for _, _, e in rec.of(*STATE_EVENTS) if e.get("step") is not None], default=0)
+    problems, rows = [], []
+    for life in rec.lives.values():
+        if life.initial or life.resumed:
+            continue
+        mine = [(t, e) for t, k, e in rec.events if k == life.key]
+        boot = next(((t, e) for t, e in mine if e.get("event") == "bootstrapped"), None)
+        start_step, holders = frontier(rec, life.start)
+        row = dict(peer=life.key, started=round(life.start, 2), swarm_step_at_start=start_step,
+                   bootstrapped_step=boot[1]["step"] if boot else None,
+                   bootstrap_seconds=boot[1].get("seconds") if boot else None, ended_by=life.ended_by)
+        last = max([int(e["step"]) for _, e in mine if e.get("event") in STATE_EVENTS and e.get("step") is not None],
+                   default=None)
+        row["last_step"] = last
+        rows.append(row)
+        if boot is None:
+            if life.ended_by in ("finished", "cleanup") and start_step < final:
+                problems.append(f"{life.key} joined at swarm step {start_step} and never bootstrapped")
+            continue
+        t_boot, b = boot
+        survivors = [k for k in holders if rec.lives[k].alive_at(t_boot)]
+        if b["step"] < start_step and survivors:
+            problems.append(f"{life.key} bootstrapped step {b['step']} < {start_step}, held by live {survivors[0]}")
+        if life.ended_by == "finished" and last is not None and last < final:
+            problems.append(f"{life.key} was still in the run at its end but stopped at step {last} < {final}")
+    return not problems, problems, rows
+
+
+def final_cursor(rec: Record) -> Optional[dict]:
+    """The data cursor summary of the newest state (from ``left``, else the last ``step`` report)."""
+    best: Optional[tuple[int, int, dict]] = None
+    for i, (t, key, e) in enumerate(rec.of("step", "left", "resumed")):
+        cur = e.get("cursor")
+        if isinstance(cur, dict) and e.get("step") is not None:
+            cand = (int(e["step"]), 1 if e["event"] == "left" else 0, cur)
+            if best is None or cand[:2] >= best[:2]:
+                best = cand
+    return best[2] if best else None
+
+
+def samples_per_step(rec: Record) -> dict[int, int]:
+    """Samples committed in each step (the first report of that step; every participant reports the same)."""
+    out: dict[int, int] = {}
+    for _, _, e in rec.of("step"):
+        if e.get("samples") is not None and e.get("step") is not None:
+            out.setdefault(int(e["step"]), int(e["samples"]))
+    return out
+
+
+def eval_losses(rec: Record) -> dict[int, float]:
+    """Evaluation loss at each evaluated step (the first report: every peer holds the same weights)."""
+    out: dict[int, float] = {}
+    for _, _, e in rec.of("eval"):
+        if e.get("loss") is not None:
+            out.setdefault(int(e["step"]), float(e["loss"]))
+    return out
+
+
+def work_lost(rec: Record) -> list[dict]:
+    """Samples computed but never applied, per fault and per re-sync, as far as the events tell.
+
+    A peer's accumulated samples are lost when it is killed, leaves, stalls long enough to be re-synced, or
+    re-syncs (the accumulator is dropped). Events do not carry the accumulator, so this estimates it as the
+    peer's share of the swarm's rate (``samples_per_second / peers`` of its last report) times the time since
+    its last commit or bootstrap, capped at ``target_batch_size``. A report's ``samples_accumulated`` field,
+    when a peer prints one, is used as is.
+    """
+    rows = []
+    ends = [(life.end, life.key, life.ended_by) for life in rec.lives.values()
+            if life.end is not None and life.ended_by in ("kill", "leave")]
+    resyncs = [(t, key, "resync") for t, key, e in rec.of("resync")]
+    for t_fault, key, why in sorted(ends + resyncs):
+        last_commit, rate, accumulated = rec.lives[key].start, 0.0, None
+        for t, k, e in rec.events:
+            if t > t_fault:
+                break
+            if k != key:
+                continue
+            if e.get("event") in ("step", "bootstrapped", "resync", "resumed") and t < t_fault:
+                last_commit, accumulated = t, None
+            if e.get("event") in ("step", "progress") and e.get("samples_per_second") is not None:
+                rate = float(e["samples_per_second"]) / max(1, int(e.get("peers") or 1))
+                if e.get("samples_accumulated") is not None:
+                    accumulated = int(e["samples_accumulated"])
+        if accumulated is not None:
+            lost, method = accumulated, "reported"
+        else:
+            lost = min(rec.target_batch_size, rate * max(0.0, t_fault - last_commit))
+            method = "estimated"
+        rows.append(dict(t=round(t_fault, 2), peer=key, kind=why, samples_lost=int(round(lost)), method=method))
+    return rows
+
+
+def check_all(rec: Record, *, cleaned: bool, loss_ok: Optional[bool]) -> tuple[dict, dict]:
+    """Every invariant (name -> bool) and the problems found (name -> list of lines)."""
+    inv, why = {}, {}
+    inv["state_hash_agrees"], why["state_hash_agrees"] = state_hash_agrees(rec)
+    inv["no_committed_step_lost"], why["no_committed_step_lost"] = no_committed_step_lost(rec)
+    ok, problems, _ = joiners_reach_current_step(rec)
+    inv["joiners_reach_current_step"], why["joiners_reach_current_step"] = ok, problems
+    cursor = final_cursor(rec)
+    inv["blocks_skipped_zero"] = bool(cursor) and cursor.get("blocks_skipped", 1) == 0
+    inv["blocks_duplicated_zero"] = bool(cursor) and cursor.get("blocks_duplicated", 1) == 0
+    why["blocks_skipped_zero"] = [] if inv["blocks_skipped_zero"] else [f"final cursor: {cursor}"]
+    why["blocks_duplicated_zero"] = [] if inv["blocks_duplicated_zero"] else [f"final cursor: {cursor}"]
+    final = max([int(e["step"]) for _, _, e in rec.of(*STATE_EVENTS) if e.get("step") is not None], default=0)
+    inv["run_finished"] = final >= rec.total_steps > 0
+    why["run_finished"] = [] if inv["run_finished"] else [f"final step {final} of {rec.total_steps}"]
+    inv["processes_cleaned_up"] = cleaned
+    why["processes_cleaned_up"] = [] if cleaned else ["a peer process outlived the run"]
+    if loss_ok is not None:
+        inv["final_loss_within_tolerance"] = loss_ok
+    return inv, {k: v for k, v in why.items() if v}
+
+
+def as_jsonable(rec: Record) -> dict[str, Any]:
+    return dict(lives={k: vars(v) for k, v in rec.lives.items()}, faults=rec.faults)

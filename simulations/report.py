@@ -1,0 +1,153 @@
+"""The report: ``summary.json`` (figures and ``invariants``) and PNG plots, directly in ``--out``.
+
+matplotlib is imported here only, lazily, with the Agg backend (no display; STYLE.md 11).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from .checks import Record, eval_losses, final_cursor, joiners_reach_current_step, samples_per_step, work_lost
+
+PLOTS = ("loss_vs_samples.png", "peers_over_time.png", "step_rate.png", "bootstrap_times.png")
+FAULT_COLORS = {"kill": "red", "leave": "orange", "join": "green", "stall": "purple", "slow": "brown",
+                "loss": "gray", "partition": "black", "pause": "blue", "paused": "blue"}
+
+
+def compare_loss(rec: Record, baseline: Optional[dict], *, rel_tol: float, abs_tol: float) -> dict:
+    """Final eval loss of the swarm against the baseline's at the same step (equal samples by construction)."""
+    swarm = eval_losses(rec)
+    out: dict[str, Any] = dict(swarm_eval=swarm, baseline_eval=(baseline or {}).get("eval", {}))
+    common = sorted(set(swarm) & set(out["baseline_eval"]))
+    if not common:
+        out.update(ok=None, reason="no evaluated step in common")
+        return out
+    step = common[-1]
+    s, b = swarm[step], out["baseline_eval"][step]
+    rel = abs(s - b) / abs(b) if b else float("inf")
+    out.update(step=step, samples=(baseline or {}).get("samples", {}).get(step), swarm_loss=s, baseline_loss=b,
+               relative_difference=rel, ok=abs(s - b) <= rel_tol * abs(b) + abs_tol, rel_tol=rel_tol, abs_tol=abs_tol)
+    return out
+
+
+def figures(rec: Record, trace_name: str, run_id: str, loss: dict, wall_s: float) -> dict:
+    """Every figure of the summary, computed from the record."""
+    steps = samples_per_step(rec)
+    final = max([int(e["step"]) for _, _, e in rec.of("step", "left", "bootstrapped", "resync", "resumed")
+                 if e.get("step") is not None], default=0)
+    step_times = sorted(t for t, _, e in rec.of("step"))
+    first_step = step_times[0] if step_times else None
+    kinds: dict[str, int] = {}
+    for f in rec.faults:
+        if "note" not in f:
+            kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
+    _, _, joiners = joiners_reach_current_step(rec)
+    boots = [e.get("seconds") for _, _, e in rec.of("bootstrapped") if e.get("seconds") is not None]
+    resync_s = [e.get("seconds") for _, _, e in rec.of("resync") if e.get("seconds") is not None]
+    lost = work_lost(rec)
+    span = (step_times[-1] - first_step) if len(step_times) > 1 else 0.0
+    return dict(
+        trace=trace_name, run_id=run_id, wall_s=round(wall_s, 1), final_step=final, total_steps=rec.total_steps,
+        samples_applied=sum(steps.values()), steps_per_minute=round(60 * (len(set(steps)) - 1) / span, 2) if span else None,
+        peers_started=len(rec.lives), faults=kinds, faults_skipped=sum(1 for f in rec.faults if "note" in f),
+        rounds_abandoned=len(rec.of("round_abandoned")), resyncs=len(rec.of("resync")),
+        bootstrap_seconds=dict(count=len(boots), mean=_mean(boots), max=max(boots, default=None)),
+        resync_seconds=dict(count=len(resync_s), mean=_mean(resync_s), max=max(resync_s, default=None)),
+        cursor=final_cursor(rec), work_lost=dict(samples=sum(r["samples_lost"] for r in lost), per_fault=lost),
+        joiners=joiners,
+        loss={k: v for k, v in loss.items() if k not in ("swarm_eval", "baseline_eval")},
+    )
+
+
+def write_report(out: Path, summary: dict, rec: Record, loss: dict, baseline: Optional[dict]) -> list[str]:
+    """Write summary.json and the plots into ``out``; returns the plot file names written."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = _plots(out, rec, loss, baseline)
+    summary["plots"] = written
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    return written
+
+
+def _plots(out: Path, rec: Record, loss: dict, baseline: Optional[dict]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = samples_per_step(rec)
+    cum, total = {}, 0
+    for s in sorted(steps):
+        total += steps[s]
+        cum[s] = total
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sw = loss.get("swarm_eval", {})
+    xs = [cum.get(s) for s in sorted(sw)]
+    ax.plot([x for x in xs if x is not None], [sw[s] for s in sorted(sw) if cum.get(s) is not None], "o-", label="swarm (eval)")
+    if baseline:
+        be = baseline.get("eval", {})
+        ax.plot([baseline["samples"][s] for s in sorted(be)], [be[s] for s in sorted(be)], "s--", label="baseline (eval)")
+    ax.set_xlabel("samples applied")
+    ax.set_ylabel("eval loss")
+    ax.set_yscale("log")
+    ax.set_title("loss vs samples")
+    ax.legend()
+    written.append(_save(fig, out, "loss_vs_samples.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    times = sorted({0.0, rec.end, *(life.start for life in rec.lives.values()),
+                    *(life.end for life in rec.lives.values() if life.end is not None)})
+    ax.step(times, [sum(1 for life in rec.lives.values() if life.alive_at(t)) for t in times], where="post", label="live peers")
+    for f in rec.faults:
+        if "note" in f:
+            continue
+        ax.axvline(f["t"], color=FAULT_COLORS.get(f["kind"], "gray"), alpha=0.6, lw=1)
+    handles = [plt.Line2D([], [], color=c, label=k) for k, c in FAULT_COLORS.items()
+               if any(f["kind"] == k and "note" not in f for f in rec.faults)]
+    ax.legend(handles=[ax.get_lines()[0], *handles], fontsize=7)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("peers")
+    ax.set_title("peers over time (faults marked)")
+    written.append(_save(fig, out, "peers_over_time.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    first = {}
+    for t, _, e in rec.of("step"):
+        first.setdefault(int(e["step"]), t)
+    ts = sorted(first.values())
+    ax.plot(ts, range(1, len(ts) + 1), "-", label="committed step")
+    for f in rec.faults:
+        if f["kind"] in ("kill", "leave", "stall", "partition", "pause") and "note" not in f:
+            ax.axvline(f["t"], color=FAULT_COLORS.get(f["kind"], "gray"), alpha=0.5, lw=1)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("steps committed")
+    ax.set_title("step rate")
+    written.append(_save(fig, out, "step_rate.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = [(k, e.get("seconds")) for _, k, e in rec.of("bootstrapped") if e.get("seconds") is not None]
+    rows += [(f"{k} (resync)", e.get("seconds")) for _, k, e in rec.of("resync") if e.get("seconds") is not None]
+    if rows:
+        ax.barh([r[0] for r in rows], [r[1] for r in rows])
+    else:
+        ax.text(0.5, 0.5, "no bootstrap or re-sync in this run", ha="center", transform=ax.transAxes)
+    ax.set_xlabel("seconds")
+    ax.set_title("bootstrap and re-sync times")
+    written.append(_save(fig, out, "bootstrap_times.png"))
+    return written
+
+
+def _save(fig, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=90)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return name
+
+
+def _mean(xs: list) -> Optional[float]:
+    return round(sum(xs) / len(xs), 3) if xs else None
