@@ -13,7 +13,7 @@ Library API (lazy imports; ``import swarmrun`` stays light)::
 """
 
 __version__ = "0.1.0"
-__all__ = ["Task", "make_task", "train"]
+__all__ = ["Task", "ShardedTask", "make_task", "train"]
 
 
 def __getattr__(name):
@@ -21,8 +21,8 @@ def __getattr__(name):
         from .node import api
 
         return getattr(api, name)
-    if name == "Task":
-        from .node.task import Task
+    if name in ("Task", "ShardedTask"):
+        from .node import task
 
-        return Task
+        return getattr(task, name)
     raise AttributeError(name)
