@@ -181,7 +181,8 @@ def work_lost(rec: Record) -> list[dict]:
     A peer's accumulated samples are lost when it is killed, leaves, stalls long enough to be re-synced, or
     re-syncs (the accumulator is dropped). Events do not carry the accumulator, so this estimates it as the
     peer's share of the swarm's rate (``samples_per_second / peers`` of its last report) times the time since
-    its last commit or bootstrap, capped at ``target_batch_size``. A report's ``samples_accumulated`` field,
+    its last commit or bootstrap, capped at its share of a step (``target_batch_size / peers``): peers stop
+    computing once the swarm holds a step's samples. A report's ``samples_accumulated`` field,
     when a peer prints one, is used as is.
     """
     rows = []
@@ -189,7 +190,7 @@ def work_lost(rec: Record) -> list[dict]:
             if life.end is not None and life.ended_by in ("kill", "leave")]
     resyncs = [(t, key, "resync") for t, key, e in rec.of("resync")]
     for t_fault, key, why in sorted(ends + resyncs):
-        last_commit, rate, accumulated = rec.lives[key].start, 0.0, None
+        last_commit, rate, accumulated, peers = rec.lives[key].start, 0.0, None, 1
         for t, k, e in rec.events:
             if t > t_fault:
                 break
@@ -198,13 +199,14 @@ def work_lost(rec: Record) -> list[dict]:
             if e.get("event") in ("step", "bootstrapped", "resync", "resumed") and t < t_fault:
                 last_commit, accumulated = t, None
             if e.get("event") in ("step", "progress") and e.get("samples_per_second") is not None:
-                rate = float(e["samples_per_second"]) / max(1, int(e.get("peers") or 1))
+                peers = max(1, int(e.get("peers") or 1))
+                rate = float(e["samples_per_second"]) / peers
                 if e.get("samples_accumulated") is not None:
                     accumulated = int(e["samples_accumulated"])
         if accumulated is not None:
             lost, method = accumulated, "reported"
         else:
-            lost = min(rec.target_batch_size, rate * max(0.0, t_fault - last_commit))
+            lost = min(rec.target_batch_size / peers, rate * max(0.0, t_fault - last_commit))
             method = "estimated"
         rows.append(dict(t=round(t_fault, 2), peer=key, kind=why, samples_lost=int(round(lost)), method=method))
     return rows

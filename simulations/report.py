@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .checks import Record, eval_losses, final_cursor, joiners_reach_current_step, samples_per_step, work_lost
+from .trace import KINDS
 
 PLOTS = ("loss_vs_samples.png", "peers_over_time.png", "step_rate.png", "bootstrap_times.png")
 FAULT_COLORS = {"kill": "red", "leave": "orange", "join": "green", "stall": "purple", "slow": "brown",
-                "loss": "gray", "partition": "black", "pause": "blue", "paused": "blue"}
+                "loss": "gray", "partition": "black", "pause": "blue", "resume_run": "cyan"}
 
 
 def compare_loss(rec: Record, baseline: Optional[dict], *, rel_tol: float, abs_tol: float) -> dict:
@@ -41,7 +42,7 @@ def figures(rec: Record, trace_name: str, run_id: str, loss: dict, wall_s: float
     first_step = step_times[0] if step_times else None
     kinds: dict[str, int] = {}
     for f in rec.faults:
-        if "note" not in f:
+        if "note" not in f and f["kind"] in KINDS:
             kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
     _, _, joiners = joiners_reach_current_step(rec)
     boots = [e.get("seconds") for _, _, e in rec.of("bootstrapped") if e.get("seconds") is not None]
@@ -50,7 +51,8 @@ def figures(rec: Record, trace_name: str, run_id: str, loss: dict, wall_s: float
     span = (step_times[-1] - first_step) if len(step_times) > 1 else 0.0
     return dict(
         trace=trace_name, run_id=run_id, wall_s=round(wall_s, 1), final_step=final, total_steps=rec.total_steps,
-        samples_applied=sum(steps.values()), steps_per_minute=round(60 * (len(set(steps)) - 1) / span, 2) if span else None,
+        samples_applied=sum(steps.values()), target_batch_size=rec.target_batch_size,
+        samples_per_step_mean=round(sum(steps.values()) / len(steps), 1) if steps else None, steps_per_minute=round(60 * (len(set(steps)) - 1) / span, 2) if span else None,
         peers_started=len(rec.lives), faults=kinds, faults_skipped=sum(1 for f in rec.faults if "note" in f),
         rounds_abandoned=len(rec.of("round_abandoned")), resyncs=len(rec.of("resync")),
         bootstrap_seconds=dict(count=len(boots), mean=_mean(boots), max=max(boots, default=None)),

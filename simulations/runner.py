@@ -80,6 +80,7 @@ class Simulation:
         self.stalled: set[str] = set()
         self.pause_proc: Optional[subprocess.Popen] = None
         self.pause_event: Optional[Event] = None
+        self.holding = False  # from a pause until the resumed run listens: trace events wait
         self.finished_at: Optional[float] = None
         self.cleaned = False
         self.fired = 0
@@ -136,6 +137,8 @@ class Simulation:
         self.current[name] = key
         self.procs[key] = start_peer(key, args, workdir=self.logs, sink=self.sink, prefix=prefix)
         self.rec.lives[key] = Life(key=key, peer=name, start=self.now(), initial=initial, resumed=resume)
+        if not initial:
+            self.fault("join", name)
         self.emit("sim", message=f"started {key}" + (" (resume)" if resume else ""), t=round(self.now(), 2))
 
     def _known_maddrs(self) -> list[str]:
@@ -156,9 +159,6 @@ class Simulation:
 
     def fire(self, ev: Event, index: int) -> None:
         """Apply one trace event now."""
-        if self.pause_proc is not None and ev.kind != "join":
-            self.fault(ev.kind, ev.peer, note="skipped: the run is pausing")
-            return
         if ev.kind == "join":
             self.spawn(ev.peer or self._fresh_name())
             return
@@ -170,7 +170,7 @@ class Simulation:
             self.network.partition(side)
             self.fault("partition", sorted(side), duration=ev.duration)
             if ev.duration:
-                self._later(ev.duration, "heal", lambda: (self.network.partition(set()), self.fault("heal", sorted(side))))
+                self._later(ev.duration, "heal", lambda: (self.network.partition(set()), self.fault("partition_end", sorted(side))))
             return
         name = self._target(ev, index)
         if name is None:
@@ -209,7 +209,7 @@ class Simulation:
     def _cont(self, name: str, proc: PeerProcess) -> None:
         proc.kill_group(signal.SIGCONT)
         self.stalled.discard(name)
-        self.fault("resume", name)
+        self.fault("stall_end", name)
 
     def _link(self, name: str, *, rate: Any = "keep", loss: Optional[float] = None) -> None:
         if name not in self.network.links:
@@ -218,7 +218,7 @@ class Simulation:
             self.network.set_rate(name, rate)
         if loss is not None:
             self.network.set_loss(name, loss)
-        self.fault("link_restored", name)
+        self.fault("link_end", name)
 
     def _target(self, ev: Event, index: int) -> Optional[str]:
         live = sorted(self.alive())
@@ -245,28 +245,49 @@ class Simulation:
         log = open(self.logs / "pause.log", "ab")
         self.pause_proc = subprocess.Popen([*prefix, *cmd], stdout=subprocess.PIPE, stderr=log, start_new_session=True)
         self.pause_event = ev
+        self.holding = True
         self.fault("pause", None, resume_after=ev.duration, resume_peers=ev.peers)
 
     def _poll_pause(self) -> None:
         p = self.pause_proc
-        if p is None or p.poll() is None:
+        if p is None:
             return
-        out = p.stdout.read().decode(errors="replace").strip().splitlines() if p.stdout else []
+        t_pause = self.rec.faults[_last_index(self.rec.faults, "pause")]["t"]
+        seen = [e for t, _, e in self.rec.of("snapshot") if e.get("reason") == "pause" and t >= t_pause - 1]
+        if p.poll() is None:
+            # `node pause` waits for the peers' notes in the DHT; when the last peer has left there is no DHT to
+            # read them from. The peers' own events say it as well: a pause snapshot written, every peer gone.
+            if not (seen and not self.alive()):
+                return
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+            p.wait(timeout=10)
+            paused = dict(step=seen[-1].get("step"), where=seen[-1].get("where"),
+                          note="`node pause` did not return after every peer left; taken from the peers' events")
+        else:
+            out = p.stdout.read().decode(errors="replace").strip().splitlines() if p.stdout else []
+            paused = next((json.loads(line) for line in reversed(out) if line.startswith("{")), {})
+            if p.returncode != 0:
+                self.pause_proc = None
+                self.holding = False
+                self.fault("pause_failed", None, code=p.returncode, message=paused.get("message"))
+                return
         self.pause_proc = None
-        paused = next((json.loads(line) for line in reversed(out) if line.startswith("{")), {})
         ev = self.pause_event
-        if p.returncode != 0:
-            self.fault("pause_failed", None, code=p.returncode, message=paused.get("message"))
-            return
         self.rec.faults[_last_index(self.rec.faults, "pause")]["step"] = paused.get("step")
-        self.fault("paused", None, step=paused.get("step"), where=paused.get("where"))
-        for name in list(self.alive()):
-            self.rec.lives[self.current[name]].ended_by = "pause"
+        self.fault("paused", None, **{k: paused.get(k) for k in ("step", "where", "note") if paused.get(k) is not None})
+        for life in self.rec.lives.values():
+            if life.end is None or life.end >= t_pause:
+                life.ended_by = "pause"
 
         def resume() -> None:
             for n in list(self.alive()):  # anyone who did not leave is stopped: the run is resumed elsewhere
                 self.procs[self.current[n]].kill_group(signal.SIGKILL)
                 self._end(n, "pause")
+            self.fault("resume_run", None, peers=int(ev.peers))
             self.spawn("peer0", initial=True, resume=True)
             self._later(1.0, "joins after resume", lambda: join_when_listening(int(ev.peers) - 1))
 
@@ -331,7 +352,7 @@ class Simulation:
                 fn()
             self._poll_pause()
             front = max((e.get("step", 0) for _, _, e in self.rec.of("step", "bootstrapped", "resumed")), default=0)
-            while pending and self.finished_at is None:
+            while pending and self.finished_at is None and not self.holding:
                 i, ev = pending[0]
                 due = (ev.step is not None and front >= ev.step) or (ev.time is not None and t_run >= ev.time)
                 if not due:
@@ -365,6 +386,8 @@ class Simulation:
             if self.t_start is None and key.startswith("peer0."):
                 self.t_start = self.now()
                 self.emit("sim", message=f"run {self.run_id} created; trace time starts", t=round(self.now(), 2))
+            if self.holding and life is not None and life.resumed:
+                self.holding = False
         elif kind == "step":
             if event.get("step", 0) >= self.rec.total_steps and self.finished_at is None:
                 self.finished_at = self.now()
