@@ -1,0 +1,107 @@
+"""The invariant checks on hand-written records: each one fails on the violation it names, and only on it."""
+
+from simulations.checks import Life, Record, check_all, joiners_reach_current_step, no_committed_step_lost, \
+    state_hash_agrees, work_lost
+from simulations.netns import Link, nft_ruleset
+
+CUR = {"blocks_applied": 10, "blocks_pending": 0, "blocks_skipped": 0, "blocks_duplicated": 0, "data_epoch": 1}
+
+
+def step(s, h, samples=64, **kw):
+    return {"event": "step", "step": s, "state_hash": h, "samples": samples, "cursor": CUR,
+            "samples_per_second": 100.0, "peers": 2, **kw}
+
+
+def healthy() -> Record:
+    rec = Record(total_steps=3, target_batch_size=64)
+    rec.lives = {"peer0.0": Life("peer0.0", "peer0", 0.0, initial=True),
+                 "peer1.0": Life("peer1.0", "peer1", 0.0, initial=True),
+                 "peer2.0": Life("peer2.0", "peer2", 5.0)}
+    rec.events = [(1.0, "peer0.0", step(1, "a")), (1.1, "peer1.0", step(1, "a")),
+                  (2.0, "peer0.0", step(2, "b")), (2.1, "peer1.0", step(2, "b")),
+                  (6.0, "peer2.0", {"event": "bootstrapped", "step": 2, "state_hash": "b", "seconds": 0.5}),
+                  (7.0, "peer0.0", step(3, "c")), (7.0, "peer1.0", step(3, "c")), (7.1, "peer2.0", step(3, "c"))]
+    for life in rec.lives.values():
+        life.end, life.ended_by = 8.0, "finished"
+    rec.end = 8.0
+    return rec
+
+
+def test_a_healthy_record_passes_every_invariant():
+    inv, problems = check_all(healthy(), cleaned=True, loss_ok=True)
+    assert all(inv.values()), problems
+    assert set(inv) == {"state_hash_agrees", "no_committed_step_lost", "joiners_reach_current_step",
+                        "blocks_skipped_zero", "blocks_duplicated_zero", "run_finished", "processes_cleaned_up",
+                        "final_loss_within_tolerance"}
+
+
+def test_two_hashes_at_one_step_fail_while_both_holders_live():
+    rec = healthy()
+    rec.events.append((7.2, "peer2.0", step(3, "X")))
+    ok, problems = state_hash_agrees(rec)
+    assert not ok and "step 3" in problems[0]
+    assert not no_committed_step_lost(rec)[0]
+
+
+def test_a_step_recommitted_after_all_its_holders_died_is_not_a_fork():
+    rec = healthy()
+    rec.events = [e for e in rec.events if e[2]["step"] != 3 and e[1] != "peer2.0"]
+    del rec.lives["peer2.0"]
+    rec.lives["peer0.0"].end = rec.lives["peer1.0"].end = 3.0
+    rec.lives["peer3.0"] = Life("peer3.0", "peer3", 4.0, initial=True, end=8.0)
+    rec.events.append((7.1, "peer3.0", step(2, "other")))
+    assert state_hash_agrees(rec)[0]  # other content at step 2, but nobody who held "b" was alive any more
+    assert no_committed_step_lost(rec)[0]
+    rec.lives["peer1.0"].end = 7.5  # a holder of "b" lived: the same commit is now a fork
+    assert not state_hash_agrees(rec)[0]
+
+
+def test_a_peer_going_back_is_a_lost_step():
+    rec = healthy()
+    rec.events.append((7.5, "peer1.0", {"event": "resync", "from_step": 3, "step": 1, "state_hash": "a"}))
+    ok, problems = no_committed_step_lost(rec)
+    assert not ok and "went back from step 3 to 1" in problems[0]
+
+
+def test_a_joiner_bootstrapping_an_old_step_fails_while_the_new_one_is_held():
+    rec = healthy()
+    rec.events[4] = (6.0, "peer2.0", {"event": "bootstrapped", "step": 1, "state_hash": "a", "seconds": 0.5})
+    ok, problems, rows = joiners_reach_current_step(rec)
+    assert not ok and "bootstrapped step 1 < 2" in problems[0]
+    assert rows[0]["swarm_step_at_start"] == 2
+
+
+def test_a_joiner_that_never_bootstraps_fails_and_a_killed_one_is_exempt():
+    rec = healthy()
+    rec.events = [e for e in rec.events if e[1] != "peer2.0"]
+    assert not joiners_reach_current_step(rec)[0]
+    rec.lives["peer2.0"].end, rec.lives["peer2.0"].ended_by = 5.5, "kill"
+    assert joiners_reach_current_step(rec)[0]
+
+
+def test_cursor_and_finish_and_cleanup_invariants():
+    rec = healthy()
+    rec.events[-1] = (7.1, "peer2.0", step(3, "c", cursor={**CUR, "blocks_skipped": 2}))
+    inv, problems = check_all(rec, cleaned=False, loss_ok=None)
+    assert not inv["blocks_skipped_zero"] and inv["blocks_duplicated_zero"]
+    assert not inv["processes_cleaned_up"] and "final_loss_within_tolerance" not in inv
+    rec.total_steps = 4
+    assert not check_all(rec, cleaned=True, loss_ok=None)[0]["run_finished"]
+
+
+def test_work_lost_counts_kills_and_resyncs_and_prefers_a_reported_accumulator():
+    rec = healthy()
+    rec.lives["peer1.0"].end, rec.lives["peer1.0"].ended_by = 7.5, "kill"
+    rec.events.append((7.3, "peer1.0", {"event": "progress", "samples_per_second": 100.0, "peers": 2,
+                                        "samples_accumulated": 40}))
+    rows = work_lost(rec)
+    assert rows == [dict(t=7.5, peer="peer1.0", kind="kill", samples_lost=40, method="reported")]
+
+
+def test_nft_rules_follow_the_link_state():
+    link = Link(ns="n", host_if="h", peer_if="p", ip="10.0.0.2")
+    assert "drop" not in nft_ruleset(link)
+    link.loss_percent, link.blocked = 12.5, {"10.0.0.4", "10.0.0.3"}
+    rules = nft_ruleset(link)
+    assert "ip saddr { 10.0.0.3, 10.0.0.4 } drop" in rules
+    assert "numgen random mod 1000 < 125 drop" in rules
