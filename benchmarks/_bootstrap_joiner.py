@@ -52,7 +52,20 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=None, help="Fetcher window (default: swarmrun's)")
     p.add_argument("--chunk-timeout", type=float, default=30.0)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--wait-go", action="store_true", help="after ready, wait for a line 'go' on stdin")
     return p.parse_args(argv)
+
+
+def wait_go(opts) -> None:
+    """Set up, say ``ready``, and start only on ``go`` (stdin): the driver starts a repeat's joiners together and
+    then runs them one at a time, so process start-up is not paid once per run."""
+    emit("ready", mode=opts.mode, k=opts.k)
+    if opts.wait_go and sys.stdin.readline().strip() != "go":
+        raise RuntimeError("stdin closed before go")
+
+
+async def ready_then_go(opts) -> None:
+    await asyncio.get_running_loop().run_in_executor(None, wait_go, opts)
 
 
 async def take_swarmrun(opts, dht: DHT, state) -> dict:
@@ -60,6 +73,7 @@ async def take_swarmrun(opts, dht: DHT, state) -> dict:
     kwargs = {} if opts.window is None else dict(window=opts.window)
     run_id = run_id_for(opts.run_base, opts.k)
     fetcher = Fetcher(p2p, run_id, state.spec_hash, chunk_timeout=opts.chunk_timeout, **kwargs)
+    await ready_then_go(opts)
     t0 = time.monotonic()
     deadline = t0 + opts.timeout
     records = await read_providers(dht, run_id)
@@ -85,6 +99,7 @@ async def take_swarmrun(opts, dht: DHT, state) -> dict:
 
 
 def take_hivemind(opts, averager, state) -> dict:
+    wait_go(opts)
     t0 = time.monotonic()
     loaded = averager.load_state_from_peers(timeout=opts.timeout)
     t_fetch = time.monotonic()
@@ -100,6 +115,7 @@ async def take_raw(opts, dht: DHT) -> dict:
     p2p = await dht.replicate_p2p()
     peers = [PeerID.from_base58(p) for p in opts.providers[:opts.k]]
     share = -(-opts.total_bytes // len(peers))
+    await ready_then_go(opts)
     t0 = time.monotonic()
 
     async def one(i: int, peer: PeerID) -> int:

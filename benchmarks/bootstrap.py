@@ -103,27 +103,28 @@ class Providers:
     def maddrs(self) -> list[str]:
         return [m for r in self.ready for m in r["maddrs"][:1]]
 
-    def stop(self) -> None:
-        for p in self.peers:
-            p.kill()
-        self.peers = []
 
-
-def run_joiner(opts, providers: Providers, mode: str, k: int, log_dir: Path, name: str) -> dict[str, Any]:
+def start_joiner(opts, providers: Providers, mode: str, k: int, log_dir: Path, name: str) -> Peer:
     first = providers.ready[0]
-    cmd = [sys.executable, str(HERE / "_bootstrap_joiner.py"), "--mode", mode, "--k", str(k),
+    cmd = [sys.executable, str(HERE / "_bootstrap_joiner.py"), "--mode", mode, "--k", str(k), "--wait-go",
            "--run-base", providers.run_base, "--providers", *[r["peer_id"] for r in providers.ready],
            "--initial-peers", *providers.maddrs(), "--host", providers.net.joiner_host if providers.net else "127.0.0.1",
            "--hidden", str(opts.hidden), "--layers", str(opts.layers), "--seed", str(opts.seed),
            "--state-hash", first["state_hash"], "--total-bytes", str(first["total_bytes"]),
            "--timeout", str(opts.run_timeout), "--chunk-timeout", str(opts.chunk_timeout),
            *(["--window", str(opts.window)] if opts.window else [])]
-    joiner = Peer(name, cmd, log_dir)
+    return Peer(name, cmd, log_dir, stdin_pipe=True)
+
+
+def run_joiner(opts, providers: Providers, joiner: Peer, ready_deadline: float) -> dict[str, Any]:
+    """Wait for the joiner to be set up, start its clock with ``go``, collect its result; kill it in any case."""
     try:
-        result = joiner.wait_event(("result",), time.monotonic() + opts.run_timeout + opts.startup_timeout)
+        joiner.wait_event(("ready",), ready_deadline)
+        joiner.send("go\n")
+        result = joiner.wait_event(("result",), time.monotonic() + opts.run_timeout + 30)
         if not result.get("verified"):
-            raise RunFailed(f"{name}: the loaded state does not verify ({result.get('state_hash', '')[:12]} != "
-                            f"{first['state_hash'][:12]})")
+            raise RunFailed(f"{joiner.name}: the loaded state does not verify ({result.get('state_hash', '')[:12]} "
+                            f"!= {providers.ready[0]['state_hash'][:12]})")
         return {k: v for k, v in result.items() if k not in ("event", "time", "_received")}
     except RunFailed as e:
         raise RunFailed(f"{e}; stderr tail: {joiner.stderr_tail(800)!r}") from None
@@ -148,12 +149,16 @@ def run_network(opts, network: str, workdir: Path, runs: list[dict], say) -> dic
             f"{first['total_bytes'] / 1e6:.1f} MB in {first['chunks']} chunks" +
             (f", uploads capped at {opts.cap_mbit:g} Mbit/s each (tc tbf)" if net else ""))
         for rep in range(opts.repeats):
-            for mode, k in schedule():
+            # the repeat's joiners start together (imports, model, DHT), then run one at a time on "go"
+            joiners = [start_joiner(opts, providers, mode, k, log_dir, f"{rep:02d}-{system_name(mode, k)}")
+                       for mode, k in schedule()]
+            ready_deadline = time.monotonic() + opts.startup_timeout
+            for (mode, k), joiner in zip(schedule(), joiners):
                 system = system_name(mode, k)
                 record: dict[str, Any] = dict(network=network, system=system, repeat=rep)
                 t1 = time.monotonic()
                 try:
-                    record.update(run_joiner(opts, providers, mode, k, log_dir, f"{rep:02d}-{system}"))
+                    record.update(run_joiner(opts, providers, joiner, ready_deadline))
                 except RunFailed as e:
                     record.update(mb_per_s=None, error=str(e))
                 record["wall_s"] = round(time.monotonic() - t1, 2)
@@ -171,7 +176,8 @@ def run_network(opts, network: str, workdir: Path, runs: list[dict], say) -> dic
             facts["qdisc"] = net.qdisc_stats()
         return facts
     finally:
-        providers.stop()
+        kill_all()  # this phase's providers and any joiner left (a namespace outlives no process in it)
+        providers.peers = []
         if net:
             net.close()
 
