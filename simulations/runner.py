@@ -82,6 +82,7 @@ class Simulation:
         self.pause_event: Optional[Event] = None
         self.holding = False  # from a pause until the resumed run listens: trace events wait
         self.finished_at: Optional[float] = None
+        self.first_hash: dict = {}  # step -> (state_hash, key) of its first commit seen
         self.cleaned = False
         self.fired = 0
 
@@ -389,6 +390,7 @@ class Simulation:
             if self.holding and life is not None and life.resumed:
                 self.holding = False
         elif kind == "step":
+            self._check_live(t, key, event)
             if event.get("step", 0) >= self.rec.total_steps and self.finished_at is None:
                 self.finished_at = self.now()
             if key.startswith(self._reporter()):
@@ -400,6 +402,15 @@ class Simulation:
                 self.finished_at = self.finished_at or self.now()
         elif kind == "error":
             self.emit("sim", message=f"{key}: error {event.get('code')}: {event.get('message')}")
+
+    def _check_live(self, t: float, key: str, event: dict) -> None:
+        """Invariant 1 while it runs: a commit whose state_hash differs from a live holder's of that step is
+        reported at once (the full checks run on the record at the end)."""
+        step, h = event.get("step"), event.get("state_hash")
+        first = self.first_hash.setdefault(step, (h, key))
+        if first[0] != h and self.rec.lives[first[1]].alive_at(t):
+            self.emit("violation", invariant="state_hash_agrees", step=step, peer=key, state_hash=h,
+                      other_peer=first[1], other_state_hash=first[0])
 
     def _reporter(self) -> str:
         live = sorted(self.alive())
