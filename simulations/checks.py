@@ -103,7 +103,7 @@ def frontier(rec: Record, t: float) -> tuple[int, list[str]]:
     steps: dict[str, int] = {}
     for te, key, e in rec.of(*STATE_EVENTS):
         if te > t:
-            break
+            continue
         if e.get("step") is not None:
             steps[key] = max(steps.get(key, 0), int(e["step"]))
     alive = {k: s for k, s in steps.items() if rec.lives[k].alive_at(t)}
@@ -193,7 +193,7 @@ def work_lost(rec: Record) -> list[dict]:
         last_commit, rate, accumulated, peers = rec.lives[key].start, 0.0, None, 1
         for t, k, e in rec.events:
             if t > t_fault:
-                break
+                continue
             if k != key:
                 continue
             if e.get("event") in ("step", "bootstrapped", "resync", "resumed") and t < t_fault:

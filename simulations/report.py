@@ -120,10 +120,17 @@ def _plots(out: Path, rec: Record, loss: dict, baseline: Optional[dict]) -> list
     for t, _, e in rec.of("step"):
         first.setdefault(int(e["step"]), t)
     ts = sorted(first.values())
-    ax.plot(ts, range(1, len(ts) + 1), "-", label="committed step")
+    ax.plot(ts, range(1, len(ts) + 1), "-", label="steps committed")
+    window = 20.0  # seconds: the rolling rate
+    grid = [ts[0] + window + i for i in range(int(ts[-1] - ts[0] - window) + 1)] if ts else []
+    rate = [60.0 * sum(1 for u in ts if t - window < u <= t) / window for t in grid]
+    ax2 = ax.twinx()
+    ax2.plot(grid, rate, ":", color="tab:green", label=f"steps/min (last {window:g}s)")
+    ax2.set_ylabel("steps per minute")
     for f in rec.faults:
-        if f["kind"] in ("kill", "leave", "stall", "partition", "pause") and "note" not in f:
+        if f["kind"] in ("kill", "leave", "stall", "partition", "pause", "slow", "loss") and "note" not in f:
             ax.axvline(f["t"], color=FAULT_COLORS.get(f["kind"], "gray"), alpha=0.5, lw=1)
+    ax.legend(handles=[*ax.get_lines()[:1], *ax2.get_lines()], fontsize=7, loc="upper left")
     ax.set_xlabel("seconds")
     ax.set_ylabel("steps committed")
     ax.set_title("step rate")
