@@ -32,6 +32,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -116,10 +117,23 @@ def start_joiner(opts, providers: Providers, mode: str, k: int, log_dir: Path, n
     return Peer(name, cmd, log_dir, stdin_pipe=True)
 
 
-def run_joiner(opts, providers: Providers, joiner: Peer, ready_deadline: float) -> dict[str, Any]:
-    """Wait for the joiner to be set up, start its clock with ``go``, collect its result; kill it in any case."""
+def _py_spy() -> str:
+    near = Path(sys.executable).parent / "py-spy"
+    return str(near) if near.exists() else "py-spy"
+
+
+def run_joiner(opts, providers: Providers, joiner: Peer, ready_deadline: float, *, profile: bool = False) -> dict[str, Any]:
+    """Wait for the joiner to be set up, start its clock with ``go``, collect its result; kill it in any case.
+    ``profile``: py-spy records the joiner (and its threads) while it runs, into ``<log dir>/<name>.pyspy``."""
+    spy = None
     try:
         joiner.wait_event(("ready",), ready_deadline)
+        if profile:
+            out = joiner.stdout_path.with_suffix(".pyspy")
+            spy = subprocess.Popen([_py_spy(), "record", "--pid", str(joiner.proc.pid), "--rate", "200", "--threads",
+                                    "--format", "raw", "--output", str(out), "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            time.sleep(1.0)  # py-spy attached
         joiner.send("go\n")
         result = joiner.wait_event(("result",), time.monotonic() + opts.run_timeout + 30)
         if not result.get("verified"):
@@ -130,6 +144,12 @@ def run_joiner(opts, providers: Providers, joiner: Peer, ready_deadline: float) 
         raise RunFailed(f"{e}; stderr tail: {joiner.stderr_tail(800)!r}") from None
     finally:
         joiner.kill()
+        if spy is not None:  # py-spy writes its file when the target exits
+            try:
+                spy.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(spy.pid, signal.SIGKILL)
+                spy.wait()
 
 
 def run_network(opts, network: str, workdir: Path, runs: list[dict], say) -> dict[str, Any]:
@@ -158,7 +178,8 @@ def run_network(opts, network: str, workdir: Path, runs: list[dict], say) -> dic
                 record: dict[str, Any] = dict(network=network, system=system, repeat=rep)
                 t1 = time.monotonic()
                 try:
-                    record.update(run_joiner(opts, providers, joiner, ready_deadline))
+                    record.update(run_joiner(opts, providers, joiner, ready_deadline,
+                                             profile=system in opts.profile))
                 except RunFailed as e:
                     record.update(mb_per_s=None, error=str(e))
                 record["wall_s"] = round(time.monotonic() - t1, 2)
@@ -274,6 +295,9 @@ def parse_args(argv=None):
     p.add_argument("--chunk-timeout", type=float, default=30.0, help="swarmrun Fetcher chunk_timeout (default 30)")
     p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds for the providers to be ready")
     p.add_argument("--settle", type=float, default=4.0, help="seconds between providers ready and the first run")
+    p.add_argument("--profile", default="", metavar="SYSTEMS",
+                   help="comma-separated systems (e.g. swarmrun_4,hivemind) whose joiner py-spy records into the "
+                        "workdir (<repeat>-<system>.pyspy, collapsed stacks); implies --keep")
     p.add_argument("--workdir", default=None, help="where process logs go (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the temp workdir")
     p.add_argument("--json", action="store_true", help="JSON lines; the last one is the summary")
@@ -283,6 +307,8 @@ def parse_args(argv=None):
     opts.layers = opts.layers or size["layers"]
     network = opts.network or ("loopback" if opts.quick else ",".join(NETWORKS))
     opts.networks = [n.strip() for n in network.split(",") if n.strip()]
+    opts.profile = [s.strip() for s in opts.profile.split(",") if s.strip()]
+    opts.keep = opts.keep or bool(opts.profile)
     bad = [n for n in opts.networks if n not in NETWORKS]
     if bad or not opts.networks or opts.repeats < 1 or opts.hidden < 1 or opts.layers < 1 or opts.cap_mbit <= 0:
         p.error(f"bad --network {bad}" if bad or not opts.networks else
