@@ -10,8 +10,10 @@ outside the cursor; the invariants:
 - in every lineage each block of a data epoch is applied at most once, and exactly once when the epoch
   closes; the cursor agrees with the ledger and reports ``blocks_skipped == blocks_duplicated == 0``;
 - an abandoned round applies none of its blocks;
-- a lease of a dead peer blocks progress no longer than its report's expiry: once every dead peer's report
-  has expired, the live peers finish the data epoch without waiting on the clock.
+- a lease of a dead peer blocks progress no longer than its report's expiry: when live peers cannot make a
+  step, every free block they wait for is leased in a dead peer's unexpired report (or that report still
+  counts as a live trainer the group must be a majority of), and once every dead peer's report has expired
+  they finish the data epoch without waiting on the clock.
 """
 
 from __future__ import annotations
@@ -126,8 +128,8 @@ class SwarmModel(RuleBasedStateMachine):
         self._publish(peer)
         return len(blocks)
 
-    def _round(self, group: list[Peer], *, fail: bool, missed: set[str], forged: list[RoundMeta]) -> bool:
-        """One round of peers sharing a state; returns whether it committed."""
+    def _round(self, group: list[Peer], *, fail: bool, missed: set[str], forged: list[RoundMeta]) -> tuple[bool, int]:
+        """One round of peers sharing a state; returns whether it committed and how many claims it refused."""
         state = group[0].state
         assert all(p.state is state for p in group)
         metas = [RoundMeta(spec_hash=SPEC_HASH, step=state.step, samples=p.samples, blocks=p.claimed,
@@ -140,6 +142,7 @@ class SwarmModel(RuleBasedStateMachine):
         # the accepted claims are disjoint, fresh and weighed by what their blocks hold
         accepted = [m for i, m in enumerate(metas) if i not in claims.refused]
         assert sum(len(m.blocks) for m in accepted) == len(claims.applied)
+        assert all(m.data_epoch == state.cursor.data_epoch for m in accepted)  # claimed in this epoch's order
         assert not claims.applied.intersect(state.cursor.applied)
         assert claims.samples == claim_samples(claims.applied, state.cursor)
         names = [group[i].name for i in order if i >= 0]
@@ -157,7 +160,7 @@ class SwarmModel(RuleBasedStateMachine):
                 if p.name in refused_names:
                     p.zero()
                     self._publish(p)
-            return False
+            return False, len(claims.refused)
         new = Lineage(state.step + 1, state.cursor.apply(claims.applied),
                       {e: dict(blocks) for e, blocks in state.ledger.items()})
         counts = new.ledger.setdefault(state.cursor.data_epoch, {})
@@ -174,7 +177,7 @@ class SwarmModel(RuleBasedStateMachine):
             p.state = new
             p.zero()
             self._publish(p)
-        return True
+        return True, len(claims.refused)
 
     # ---- rules ----------------------------------------------------------------------------------------
     @rule(batch_size=st.integers(1, 20))
@@ -192,7 +195,13 @@ class SwarmModel(RuleBasedStateMachine):
 
     @rule(dt=st.floats(0.1, 6.0))
     def tick(self, dt):
+        self._tick(dt)
+
+    def _tick(self, dt: float) -> None:
+        """Time passes; every live peer keeps its report fresh (the trainer republishes every 0.5 s)."""
         self.now += dt
+        for p in self._alive():
+            self._publish(p)
 
     @precondition(lambda self: len(self._alive()) > 0)
     @rule(data=st.data(), stale=st.booleans())
@@ -217,7 +226,7 @@ class SwarmModel(RuleBasedStateMachine):
                                     samples=data.draw(st.sampled_from([honest, honest + 1])), blocks=blocks,
                                     data_epoch=cursor.data_epoch + data.draw(st.sampled_from([0, 0, 1]))))
         before = {id(p): (p.state, p.state.cursor) for p in group}
-        committed = self._round(group, fail=fail, missed=missed, forged=forged)
+        committed, _ = self._round(group, fail=fail, missed=missed, forged=forged)
         if not committed:  # an abandoned round applies none of its blocks
             assert all(p.state is before[id(p)][0] and p.state.cursor == before[id(p)][1] for p in group)
 
@@ -243,6 +252,24 @@ class SwarmModel(RuleBasedStateMachine):
         for p in self._alive():
             assert not p.claimed.intersect(p.state.cursor.applied)
 
+    def _check_only_dead_reports_hold_back(self, group: list[Peer], dead_expiry: float) -> None:
+        """Live peers that could not make a step wait only on what dead peers' unexpired reports hold: leases
+        on blocks, or a place among the live trainers a group must be a majority of."""
+        assert self.now < dead_expiry, "the live peers stall with no dead peer's report left to wait for"
+        view = self._view()
+        state = group[0].state
+        if len(group) < len(view.trainers) // 2 + 1:
+            return  # the dead peers' reports still count as live trainers: the group is not a majority yet
+        held = RangeSet()
+        for p in group:
+            held = held.add(p.claimed)
+        dead_leased = RangeSet()
+        for name, r in view.reports.items():
+            if not next(p for p in self.peers if p.name == name).alive and r.step == state.step:
+                dead_leased = dead_leased.add(r.claimed)
+        free = state.cursor.pending().subtract(held)
+        assert not free.subtract(dead_leased), f"blocks {free.subtract(dead_leased).to_list()} wait with no lease"
+
     def teardown(self):
         """Drain: live peers (one joins if none is left) must close the current data epoch, waiting on the
         clock only until the reports of dead peers (and their leases) have expired."""
@@ -265,10 +292,10 @@ class SwarmModel(RuleBasedStateMachine):
             while sum(p.samples for p in group) < step_target(newest.cursor, self.target):
                 if not sum(self._compute(p, stale=False) for p in group):
                     break
-            if not self._round(group, fail=False, missed=set(), forged=[]):
-                # only a live lease of a dead peer may hold the live ones back: it expires by dead_expiry
-                assert self.now < dead_expiry, "the live peers stall with no dead lease left to wait for"
-                self.now += 0.5
+            committed, refused = self._round(group, fail=False, missed=set(), forged=[])
+            if not committed and not refused:  # (a refused claim was dropped: retry at once)
+                self._check_only_dead_reports_hold_back(group, dead_expiry)
+                self._tick(0.5)
         newest = self._newest()
         assert newest.cursor.data_epoch == epoch + 1, "the data epoch did not close"
         assert self.now <= max(t0, dead_expiry) + 0.5
