@@ -404,13 +404,18 @@ class Simulation:
             self.emit("sim", message=f"{key}: error {event.get('code')}: {event.get('message')}")
 
     def _check_live(self, t: float, key: str, event: dict) -> None:
-        """Invariant 1 while it runs: a commit whose state_hash differs from a live holder's of that step is
-        reported at once (the full checks run on the record at the end)."""
+        """Invariants 1 and 2 while it runs: a commit whose state_hash differs from a live holder's of that step,
+        or whose cursor counts a skipped or duplicated block, is reported at once (the full checks run on the
+        record at the end)."""
         step, h = event.get("step"), event.get("state_hash")
         first = self.first_hash.setdefault(step, (h, key))
         if first[0] != h and self.rec.lives[first[1]].alive_at(t):
             self.emit("violation", invariant="state_hash_agrees", step=step, peer=key, state_hash=h,
                       other_peer=first[1], other_state_hash=first[0])
+        cursor = event.get("cursor") or {}
+        for name in ("blocks_skipped", "blocks_duplicated"):
+            if cursor.get(name):
+                self.emit("violation", invariant=f"{name}_zero", step=step, peer=key, **{name: cursor[name]})
 
     def _reporter(self) -> str:
         live = sorted(self.alive())
