@@ -127,7 +127,8 @@ def run_joiner(opts, providers: Providers, joiner: Peer, ready_deadline: float, 
     ``profile``: py-spy records the joiner (and its threads) while it runs, into ``<log dir>/<name>.pyspy``."""
     spy = None
     try:
-        joiner.wait_event(("ready",), ready_deadline)
+        # the deadline covers start-up only: a joiner that was ready long ago has its event queued already
+        joiner.wait_event(("ready",), max(ready_deadline, time.monotonic() + 10))
         if profile:
             out = joiner.stdout_path.with_suffix(".pyspy")
             spy = subprocess.Popen([_py_spy(), "record", "--pid", str(joiner.proc.pid), "--rate", "200", "--threads",
