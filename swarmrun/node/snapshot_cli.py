@@ -47,7 +47,7 @@ def add_parsers(sub, *, epilog: str, swarm_args: Callable) -> None:
     pz = sub.add_parser("pause", help="the run's owner asks the swarm to snapshot and leave; prints where",
                         epilog=epilog, formatter_class=_FMT)
     pz.add_argument("run_id", metavar="RUN_ID")
-    swarm_args(pz, listen=False)
+    swarm_args(pz)
     pz.add_argument("--to", default="", metavar="STORE", help="store to write (default: the peers' --snapshot-to)")
     pz.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the swarm (default 180)")
     pz.add_argument("--json", action="store_true")
@@ -261,13 +261,15 @@ def _pause(args, events) -> int:
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
     key = ensure_identity(config.state_dir)[1]
-    result = _run_async(pause_run(args.run_id, config.initial_peers, key=key, store=args.to, timeout=args.timeout))
+    result = _run_async(pause_run(args.run_id, config.initial_peers, key=key, store=args.to, timeout=args.timeout,
+                                  listen=config.listen))
     _print(events, "paused", result, f"run {args.run_id} paused at step {result['step']}: {result['where']}\n"
            f"resume with: node join {args.run_id} --resume-from {result['where']}")
     return 0
 
 
-async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: float) -> dict:
+async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: float,
+                    listen=("/ip4/127.0.0.1/tcp/0",)) -> dict:
     """Sign a pause record, publish it, wait until a snapshot is written and the trainers left.
 
     Raises:
@@ -279,12 +281,13 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
 
     from ..protocol.snapshot import PauseNote, PauseRecord, pause_key, paused_key
     from .join import fetch_spec
-    from .swarm import public_key_bytes
+    from .swarm import public_key_bytes, record_validator
     from .trainer import _await, read_subkeys, read_view
 
-    try:
-        dht = await asyncio.to_thread(DHT, initial_peers=list(initial_peers), start=True, client_mode=True,
-                                      startup_timeout=15.0)
+    try:  # a full DHT node, not a client: the peers' notes must outlive the peers, which leave right after
+        dht = await asyncio.to_thread(DHT, initial_peers=list(initial_peers), start=True, client_mode=False,
+                                      host_maddrs=list(listen), startup_timeout=15.0,
+                                      record_validators=[record_validator()])
     except Exception as e:
         raise RunNotFound(f"could not reach any of the peers {', '.join(initial_peers)}: {e}") from None
     try:

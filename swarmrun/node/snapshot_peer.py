@@ -262,9 +262,7 @@ class SnapshotSide:
     started_step: int = 0
     started_time: float = field(default_factory=get_dht_time)
     pause: Optional[PauseRecord] = None
-    paused_at: Optional[int] = None
     _tasks: list = field(default_factory=list)  # background loops, cancelled on close
-    _pausing: list = field(default_factory=list)  # pause snapshots, awaited on close
 
     def start(self) -> None:
         t = self.trainer
@@ -296,13 +294,13 @@ class SnapshotSide:
     async def _watch_pause(self) -> None:
         t = self.trainer
         key = pause_key(t.spec.run_id)
-        while self.paused_at is None:
+        while True:
             if self.pause is None:
                 self.pause = await self._read_pause(key)
-            # a peer that reached the pause step other than by a commit (a re-sync) pauses here
-            if self.pause is not None and t.state.step >= self.pause.at_step and t.frozen is not None:
-                if t.frozen.step >= self.pause.at_step and not self._pausing:
-                    self._pausing.append(asyncio.ensure_future(self._pause_now(t.frozen)))
+            # a peer already at (or past) the pause step, or that got there by a re-sync, stops now
+            if self.pause is not None and t.state.step >= self.pause.at_step:
+                t.stop_requested.set()
+                return
             await asyncio.sleep(t.config.report_interval)
 
     async def _read_pause(self, key: str) -> Optional[PauseRecord]:
@@ -326,29 +324,26 @@ class SnapshotSide:
         return record
 
     def _on_commit(self, frozen: FrozenState) -> None:
-        if self.pause is not None and not self._pausing and frozen.step >= self.pause.at_step:
-            self.trainer.stop_requested.set()  # before any other await: no further step starts here
-            self._pausing.append(asyncio.ensure_future(self._pause_now(frozen)))
+        if self.pause is not None and frozen.step >= self.pause.at_step:
+            self.trainer.stop_requested.set()  # called before the trainer loop goes on: no further step starts
 
-    async def _pause_now(self, frozen: FrozenState) -> None:
-        if self.paused_at is not None:
-            return
+    async def _write_pause_snapshot(self) -> PauseNote:
+        """The state this peer stopped at (a round in flight when the pause came may have committed one more
+        step, on all its participants alike); the elected writer writes it."""
         t = self.trainer
-        self.paused_at = frozen.step
-        t.stop_requested.set()
+        frozen = t.frozen
         if elect_writer(t.view.trainers, t.peer_id) != t.peer_id:
-            return
+            return PauseNote(step=frozen.step, left=True)
         if self.writer is None and not self.pause.store:
-            note = PauseNote(step=frozen.step, error="the elected writer has no --snapshot-to and the pause gave no --to")
-        else:
-            writer = self.writer or SnapshotWriter(t, options=SnapshotOptions(store=self.pause.store),
-                                                   signed=self.signed, history=self.history, events=self.events)
-            store = SnapshotStore(self.pause.store, keep=writer.policy.keep) if self.pause.store and self.writer else None
-            result = await writer.write_now(frozen, "pause", store)
-            note = PauseNote(step=frozen.step, where=result.where if result else "",
-                             state_hash=frozen.manifest.state_hash(), manifest_hash=frozen.manifest.manifest_hash(),
-                             error="" if result else "the snapshot could not be written (see the peer's log)")
-        await self._note(note)
+            return PauseNote(step=frozen.step, left=True,
+                             error="the elected writer has no --snapshot-to and the pause gave no --to")
+        writer = self.writer or SnapshotWriter(t, options=SnapshotOptions(store=self.pause.store),
+                                               signed=self.signed, history=self.history, events=self.events)
+        store = SnapshotStore(self.pause.store, keep=writer.policy.keep) if self.pause.store and self.writer else None
+        result = await writer.write_now(frozen, "pause", store)
+        return PauseNote(step=frozen.step, left=True, where=result.where if result else "",
+                         state_hash=frozen.manifest.state_hash(), manifest_hash=frozen.manifest.manifest_hash(),
+                         error="" if result else "the snapshot could not be written (see the peer's log)")
 
     async def _note(self, note: PauseNote) -> None:
         try:
@@ -358,16 +353,19 @@ class SnapshotSide:
             logger.warning(f"could not publish the pause note: {e!r}")
 
     async def close(self, reason: str) -> None:
-        """Before leaving: finish the write in flight; the last trainer of a run with a store writes its state;
-        a paused peer says it left."""
+        """Before leaving: finish the write in flight; a paused peer's elected writer writes the state it stopped
+        at and every paused peer says it left (one note per peer); otherwise the last trainer of a run with a
+        store writes its state."""
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._pausing, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         t = self.trainer
         if self.writer is not None:
             await self.writer.flush()
+        if self.pause is not None and t.frozen is not None and t.frozen.step >= self.pause.at_step:
+            await self._note(await self._write_pause_snapshot())
+            return
+        if self.writer is not None:
             others = [p for p, r in t.view.trainers.items() if p != t.peer_id and not r.finished]
-            if self.paused_at is None and reason in ("stopped", "max_steps") and not others and t.frozen is not None:
+            if reason in ("stopped", "max_steps") and not others and t.frozen is not None:
                 await self.writer.write_now(t.frozen, "last peer of the run leaving")
-        if self.paused_at is not None:
-            await self._note(PauseNote(step=self.paused_at, left=True))
