@@ -25,8 +25,8 @@ import torch  # noqa: E402
 from hivemind import DHT  # noqa: E402
 from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
 
-from _bootstrap_state import (RAW_PROTOCOL, RAW_WRITE, BenchAverager, build_state, hivemind_prefix,  # noqa: E402
-                              live_tensors, run_id_for)
+from _bootstrap_state import (DHT_KWARGS, RAW_PROTOCOL, RAW_WRITE, BenchAverager, build_state,  # noqa: E402
+                              hivemind_prefix, live_tensors, run_id_for)
 from _common import emit  # noqa: E402
 from swarmrun.node.transfer import StateServer, admit_open  # noqa: E402
 from swarmrun.protocol.transfer import ProviderRecord, providers_key  # noqa: E402
@@ -103,7 +103,8 @@ def main(argv=None) -> int:
         state = build_state(hidden=opts.hidden, layers=opts.layers, seed=opts.seed, run_base=opts.run_base,
                             stepped=True)
         frozen = state.freeze(chunk_size=opts.chunk_size)
-        dht = DHT(start=True, host_maddrs=[f"/ip4/{opts.host}/tcp/0"], initial_peers=opts.initial_peers)
+        dht = DHT(start=True, host_maddrs=[f"/ip4/{opts.host}/tcp/0"], initial_peers=opts.initial_peers,
+                  **DHT_KWARGS)
         if opts.hivemind:
             names, tensors = live_tensors(state)
             metadata = dict(spec_hash=state.spec_hash, step=state.step, content=frozen.manifest.content)

@@ -18,6 +18,8 @@ from swarmrun.protocol.cursor import DataCursor
 RAW_PROTOCOL = "/swarmrun-bench/raw/1"  # the ceiling: raw hivemind P2P binary streams, 1 MiB writes
 RAW_WRITE = 1 << 20
 MB = 1e6  # figures are in decimal megabytes (302 MB = 25.2M params x 3 x 4 bytes)
+# a DHT RPC counts as lost after this many seconds (hivemind's default, 3 s, fails bootstraps on a loaded machine)
+DHT_KWARGS = dict(wait_timeout=20)
 
 
 def spec_hash_for(run_base: str) -> str:

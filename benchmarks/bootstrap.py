@@ -294,7 +294,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=20261202)
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds one joiner may take (default 300)")
     p.add_argument("--chunk-timeout", type=float, default=30.0, help="swarmrun Fetcher chunk_timeout (default 30)")
-    p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds for the providers to be ready")
+    p.add_argument("--startup-timeout", type=float, default=300.0,
+                   help="seconds for the providers (or a repeat's joiners) to be ready (default 300)")
     p.add_argument("--settle", type=float, default=4.0, help="seconds between providers ready and the first run")
     p.add_argument("--profile", default="", metavar="SYSTEMS",
                    help="comma-separated systems (e.g. swarmrun_4,hivemind) whose joiner py-spy records into the "
