@@ -1,0 +1,72 @@
+"""The snapshot writer as a commit hook, without a swarm: which commits it writes, the auto policy's report."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swarmrun.node.join import initial_state, make_spec
+from swarmrun.node.snapshot_peer import SnapshotOptions, SnapshotWriter
+from swarmrun.node.tasks.synthetic import SyntheticTask
+from swarmrun.protocol.spec import SignedSpec
+
+
+class Recorder:
+    json_mode = True
+
+    def __init__(self):
+        self.events = []
+
+    def emit(self, event, **fields):
+        self.events.append(dict(event=event, **fields))
+
+
+def fake_trainer(peer_id="QmB", others=()):
+    spec, task = make_spec(run_id="w", task_cls=SyntheticTask, sets={}, seed=3, owner_key=b"k")
+    state = initial_state(spec, task, "cpu")
+    view = SimpleNamespace(trainers={p: SimpleNamespace(finished=False) for p in (*others, peer_id)})
+    return SimpleNamespace(peer_id=peer_id, view=view, state=state, dht=None), SignedSpec(spec=spec, signature=b"s")
+
+
+async def commit_steps(writer, trainer, steps):
+    for step in steps:
+        trainer.state.step = step
+        with torch.no_grad():
+            next(trainer.state.model.parameters()).add_(0.5)
+        writer.on_commit(trainer.state.freeze(chunk_size=4096))
+        await writer.flush()  # one write at a time: let each finish, as a step's time would
+
+
+@pytest.mark.parametrize("others, expected", [((), [1, 3, 5]), (("QmA",), [])])
+async def test_elected_writer_writes_every_n_steps(tmp_path, others, expected):
+    trainer, signed = fake_trainer(others=others)
+    events = Recorder()
+    writer = SnapshotWriter(trainer, options=SnapshotOptions(store=str(tmp_path / "s"), every="2", keep=10),
+                            signed=signed, history=(b"h",), events=events)
+    await commit_steps(writer, trainer, range(1, 6))
+    assert writer.store.steps() == expected  # QmA < QmB: the other peer is the elected writer
+    assert [e["step"] for e in events.events if e["event"] == "snapshot"] == expected
+    if expected:
+        assert writer.store.read_record(5).history == (b"h",) and writer.store.read_record(5).writer == "QmB"
+
+
+async def test_auto_policy_reports_interval_and_expected_replay(tmp_path):
+    trainer, signed = fake_trainer()
+    events = Recorder()
+    writer = SnapshotWriter(trainer, options=SnapshotOptions(store=str(tmp_path / "s"), every="auto", keep=2),
+                            signed=signed, history=(b"h",), events=events)
+    await commit_steps(writer, trainer, range(1, 4))
+    assert writer.store.steps() == [1]  # the first measures the cost; Young/Daly then says minutes, not ms
+    policy = [e for e in events.events if e["event"] == "snapshot_policy"]
+    assert policy and policy[0]["interval_s"] > 1 and policy[0]["expected_replay_s"] >= policy[0]["interval_s"] / 2
+    assert policy[0]["cost_s"] == pytest.approx(writer.cost_s)
+    # a trainer that vanishes without finishing counts as a failure: a shorter interval
+    trainer.view.trainers["QmC"] = SimpleNamespace(finished=False)
+    writer.on_commit(trainer.state.freeze())
+    del trainer.view.trainers["QmC"]
+    trainer.state.step = 9
+    writer.on_commit(trainer.state.freeze())
+    await writer.flush()
+    assert writer.failures.failures == 1
+    policy = [e for e in events.events if e["event"] == "snapshot_policy"]
+    assert policy[-1]["failures"] == 1 and policy[-1]["interval_s"] < 0.8 * policy[0]["interval_s"]
