@@ -174,3 +174,53 @@ def test_fsspec_memory_store_roundtrip():
     store.write(frozen_state(2, changed=600), signed_spec=b"spec")
     assert store.steps() == [2] and store.load().frozen.step == 2 and store.verify() == {2: []}
     store.storage.fs.rm(store.storage.root, recursive=True)
+
+
+_KILLED_WRITER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from swarmrun.node.snapshot import SnapshotStore, Storage
+from tests.unit.test_snapshot_store import frozen_state
+
+class Slow(Storage):
+    def write_atomic(self, rel, data):
+        if rel.startswith("snapshots"):
+            print("record", flush=True)
+            time.sleep(60)  # killed here: every chunk written, the record not
+        super().write_atomic(rel, data)
+        print("wrote", rel, flush=True)
+        time.sleep(0.05)
+
+url = {url!r}
+SnapshotStore(url).write(frozen_state(1, changed=4096), signed_spec=b"spec")
+SnapshotStore(url, storage=Slow(url)).write(frozen_state(2, changed=4096), signed_spec=b"spec")
+"""
+
+
+@pytest.mark.parametrize("kill_after", ["chunk", "record"])
+def test_kill_9_during_write_leaves_previous_snapshot_loadable(tmp_path, kill_after):
+    """A real writer process SIGKILLed between chunks, or between the last chunk and the record."""
+    import signal
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    url = str(tmp_path / "s")
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER.format(root=root, url=url)],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        seen = 0
+        for line in child.stdout:
+            seen += line.startswith("wrote chunks/") and SnapshotStore(url).steps() == [1]
+            if (kill_after == "chunk" and seen == 3) or (kill_after == "record" and line.startswith("record")):
+                os.killpg(child.pid, signal.SIGKILL)
+                break
+    finally:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        child.wait(timeout=30)
+    store = SnapshotStore(url)
+    assert store.steps() == [1] and seen >= 3
+    assert store.load().frozen.step == 1 and store.verify() == {1: []}
