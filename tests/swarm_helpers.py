@@ -42,6 +42,13 @@ class Swarm:
     def join(self, name: str, *args: str, env: dict | None = None) -> PeerProcess:
         return self._start(name, [self.run_id, "--peers", self.maddr, *args], env)
 
+    def start_keeper(self, name: str, env: dict | None = None) -> PeerProcess:
+        """`node keep` the run: holds and serves its state, does not train."""
+        peer = start_peer(name, [self.run_id, "--peers", self.maddr, "--state-dir", str(self.workdir / name)],
+                          workdir=self.workdir, sink=self.sink, command="keep")
+        self.peers[name] = peer
+        return peer
+
     def _start(self, name, args, env):
         old = dict(os.environ)
         try:

@@ -50,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
     j.add_argument("-v", "--verbose", action="store_true", help="debug logs, hivemind's included")
 
+    k = sub.add_parser("keep", help="hold and serve a run's state without training (a keeper: a CPU box, a lab server)",
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    k.add_argument("run_id", metavar="RUN_ID", help="the run to keep")
+    _swarm_args(k)
+    k.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
+    k.add_argument("-v", "--verbose", action="store_true", help="debug logs, hivemind's included")
+
     d = sub.add_parser("demo", help="a local swarm on loopback: trains, kills a peer, a fresh one joins",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--peers", type=int, default=3, help="number of peers (default 3)")
@@ -97,6 +104,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "join":
             return _join(args, events)
+        if args.command == "keep":
+            return _keep(args, events)
         if args.command == "demo":
             from .demo import run_demo
 
@@ -190,6 +199,20 @@ def _join(args, events) -> int:
         trainer=TrainerConfig(batch_size=args.batch_size, device=args.device, max_steps=args.max_steps,
                               matchmaking_time=args.matchmaking_time, min_peers=args.min_peers),
     )
+    _run_async(run_peer(opts, events))
+    return 0
+
+
+def _keep(args, events) -> int:
+    from ..protocol.errors import UsageError
+    from ..protocol.round import Role
+    from .join import JoinOptions, run_peer
+    from .trainer import TrainerConfig
+
+    config = swarm_config(args)
+    if not config.initial_peers:
+        raise UsageError("give --peers MADDR (or SWARMRUN_PEERS) of a peer of the run to keep")
+    opts = JoinOptions(run_id=args.run_id, swarm=config, trainer=TrainerConfig(role=Role.KEEPER, device="cpu"))
     _run_async(run_peer(opts, events))
     return 0
 

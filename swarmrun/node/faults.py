@@ -1,8 +1,15 @@
 """Faults injected by data (for tests and the churn harness), never by copies of production code.
 
-``SWARMRUN_FAULTS`` holds ``;``-separated faults ``KIND@POINT:step=N``; the only kind so far is ``kill``
-(SIGKILL to this peer's whole process group), at the point ``allreduce`` (after this peer's first part
-was reduced, i.e. in the middle of the all-reduce) of the first round it takes part in at a step >= N. Example: ``SWARMRUN_FAULTS="kill@allreduce:step=3"``.
+``SWARMRUN_FAULTS`` holds ``;``-separated faults ``KIND@POINT:KEY=N``:
+
+- ``kill@allreduce:step=N``: SIGKILL to this peer's whole process group in the middle of the all-reduce (after
+  its first part was reduced) of the first round it takes part in at a step >= N;
+- ``delay@serve:ms=N``: a provider waits N ms before each chunk of a state it serves (a slow provider; step
+  records, the small objects of catch-up, are not delayed);
+- ``corrupt@serve:step=N``: a provider flips a byte of every chunk it serves of an object at a step >= N (a
+  lying provider).
+
+Example: ``SWARMRUN_FAULTS="kill@allreduce:step=3"``.
 """
 
 from __future__ import annotations
@@ -13,13 +20,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 ENV = "SWARMRUN_FAULTS"
+_KINDS = {("kill", "allreduce", "step"), ("delay", "serve", "ms"), ("corrupt", "serve", "step")}
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
     point: str
-    step: int
+    value: int
+
+    @property
+    def step(self) -> int:
+        return self.value
 
 
 def parse_faults(text: str) -> tuple[Fault, ...]:
@@ -29,17 +41,32 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
         head, _, cond = item.partition(":")
         kind, _, point = head.partition("@")
         key, _, value = cond.partition("=")
-        if kind != "kill" or point != "allreduce" or key != "step" or not value.isdigit():
-            raise ValueError(f"bad fault {item!r}: expected kill@allreduce:step=N")
+        if (kind, point, key) not in _KINDS or not value.isdigit():
+            known = ", ".join(f"{k}@{p}:{c}=N" for k, p, c in sorted(_KINDS))
+            raise ValueError(f"bad fault {item!r}: expected one of {known}")
         faults.append(Fault(kind, point, int(value)))
     return tuple(faults)
 
 
-def fire(point: str, step: Optional[int]) -> None:
-    """Carry out a fault planned for this point and step, if any."""
+def _planned() -> tuple[Fault, ...]:
     text = os.environ.get(ENV)
-    if not text or step is None:
+    return parse_faults(text) if text else ()
+
+
+def fire(point: str, step: Optional[int]) -> None:
+    """Carry out a kill planned for this point and step, if any."""
+    if step is None:
         return
-    for fault in parse_faults(text):
-        if fault.point == point and step >= fault.step and fault.kind == "kill":
+    for fault in _planned():
+        if fault.point == point and step >= fault.value and fault.kind == "kill":
             os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def delay_seconds(point: str) -> float:
+    """The planned delay at this point (0 when none)."""
+    return sum(f.value for f in _planned() if f.point == point and f.kind == "delay") / 1000
+
+
+def corrupts(point: str, step: int) -> bool:
+    """Whether this peer is planned to corrupt what it sends at this point for an object of ``step``."""
+    return any(f.point == point and f.kind == "corrupt" and step >= f.value for f in _planned())

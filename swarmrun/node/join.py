@@ -235,7 +235,7 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
         expected_cursor = state.cursor  # counts this machine's data: what a received state's cursor must count
         if plan is not None:
             apply_resume(state, plan)
-        trainer = Trainer(spec=spec, task=task, dht=dht, state=state, events=events,
+        trainer = Trainer(spec=spec, task=task, dht=dht, state=state, events=events, identity=key,
                           config=_with_device(opts.trainer, device))
         events.emit("listening", run_id=spec.run_id, peer_id=peer_id,
                     maddrs=[str(m) for m in dht.get_visible_maddrs()], spec_hash=spec.spec_hash(),

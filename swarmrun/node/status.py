@@ -11,7 +11,8 @@ from hivemind.utils.timed_storage import get_dht_time
 from ..protocol.errors import RunNotFound, UsageError
 from ..protocol.round import SUMMARY_KEYS, run_accounting
 from .join import check_run_id, fetch_spec
-from .trainer import read_view
+from .swarm import record_validator
+from .trainer import read_providers, read_view
 
 
 async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> dict:
@@ -22,6 +23,7 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
     """
     try:
         dht = await asyncio.to_thread(DHT, initial_peers=list(initial_peers), start=True, client_mode=True,
+                                      record_validators=[record_validator()],
                                       startup_timeout=timeout)
     except Exception as e:
         raise RunNotFound(f"could not reach any of the peers {', '.join(initial_peers)}: {e}") from None
@@ -38,7 +40,12 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
         spec = signed.spec
         # the run's data accounting, from the cursor of the newest state (None for each key if no peer reports it)
         accounting = run_accounting(view) or {}
-        return dict(run_id=run_id, task=spec.task, spec_hash=spec.spec_hash(), total_steps=spec.total_steps,
+        records = await read_providers(dht, run_id)
+        providers = [dict(peer_id=p, step=r.step, manifest_hash=r.manifest_hash, state_hash=r.state_hash,
+                          mib=round(r.total_bytes / 2**20, 2), keeper=r.keeper, serving=r.serving,
+                          step_records=len(r.log), age_s=round(max(0.0, now - r.time), 1))
+                     for p, r in sorted(records.items(), key=lambda kv: (-kv[1].step, kv[0]))]
+        return dict(providers=providers, run_id=run_id, task=spec.task, spec_hash=spec.spec_hash(), total_steps=spec.total_steps,
                     target_batch_size=spec.target_batch_size, step=view.newest_step,
                     samples_per_second=round(sum(p["samples_per_second"] for p in peers if p["role"] == "trainer"), 2),
                     finished=view.finished(), **{k: accounting.get(k) for k in sorted(SUMMARY_KEYS)}, peers=peers)
@@ -67,6 +74,16 @@ def run_status(args, events) -> int:
         table.add_row(p["peer_id"][-10:], p["role"], str(p["step"]), str(p["samples"]), str(p["samples_per_second"]),
                       p["state_hash"][:12], f"{p['age_s']}s")
     events.console.print(table)
+    if status["providers"]:
+        served = Table(title="providers (state that joiners fetch)")
+        for col in ("peer", "step", "state_hash", "MiB", "step records", "serving", "keeper"):
+            served.add_column(col)
+        for p in status["providers"]:
+            served.add_row(p["peer_id"][-10:], str(p["step"]), p["state_hash"][:12], str(p["mib"]),
+                           str(p["step_records"]), str(p["serving"]), "yes" if p["keeper"] else "")
+        events.console.print(served)
+    else:
+        events.console.print("providers: none announced")
     if status["blocks_applied"] is None:
         events.console.print("data: no peer reports its cursor yet")
     else:

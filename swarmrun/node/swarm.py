@@ -7,6 +7,7 @@ and the key that signs what the peer publishes (the spec of a run it creates).
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import socket
 from dataclasses import dataclass
@@ -14,7 +15,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import psutil
+import base58
+import multihash
+from cryptography.hazmat.primitives import serialization
 from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
@@ -86,6 +91,40 @@ def verify_signature(public_key: bytes, data: bytes, signature: bytes) -> bool:
         return False
 
 
+def record_validator(key: Optional[RSAPrivateKey] = None) -> RSASignatureValidator:
+    """hivemind's signed-record validator with this peer's identity key: a subkey made by ``signed_subkey`` can only
+    be written by the owner of that key (every DHT of swarmrun runs it; a reader strips the signatures with it)."""
+    return RSASignatureValidator(key) if key is not None else RSASignatureValidator()
+
+
+def peer_id_of(public_key: bytes) -> str:
+    """The libp2p peer id (base58) of an RSA public key in OpenSSH form (hivemind's serialization)."""
+    der = serialization.load_ssh_public_key(public_key).public_bytes(
+        encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo)
+    proto = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return base58.b58encode(multihash.encode(hashlib.sha256(proto).digest(), multihash.coerce_code("sha2-256"))).decode()
+
+
+def signed_subkey(validator: RSASignatureValidator, peer_id: str) -> bytes:
+    """A DHT subkey that names this peer and carries its public key, so hivemind signs the record."""
+    return peer_id.encode() + validator.local_public_key
+
+
+def subkey_owner(subkey) -> Optional[str]:
+    """The peer id a signed subkey names, if its public key is that peer's identity (None otherwise: a record
+    under someone else's name, or an unsigned one)."""
+    if not isinstance(subkey, bytes):
+        return None
+    peer, marker, rest = subkey.partition(b"[owner:")
+    if not marker or not rest.endswith(b"]"):
+        return None
+    try:
+        claimed = peer.decode()
+        return claimed if peer_id_of(rest[:-1]) == claimed else None
+    except Exception:
+        return None
+
+
 def sweep_stale_sockets(tmp: str = "/tmp") -> int:
     """Remove ``hivemind-*.sock`` files whose daemon is dead (nobody accepts on them). Returns the count."""
     removed = 0
@@ -123,6 +162,7 @@ def start_dht(config: SwarmConfig) -> tuple[DHT, RSAPrivateKey]:
         identity_path=identity_path,
         client_mode=False,
         startup_timeout=config.bootstrap_timeout,
+        record_validators=[record_validator(key)],
     )
     if config.announce:
         kwargs["announce_maddrs"] = list(config.announce)

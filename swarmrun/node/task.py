@@ -53,6 +53,7 @@ class Task(abc.ABC):
         "total_steps": 100,
         "block_size": 8,  # examples per block, the unit of data accounting
         "eval_every": 10,  # steps between evaluations (0: never)
+        "chunk_size": 1 << 20,  # bytes per chunk of the state: the unit of transfer and verification
     }
 
     def __init__(self, args: Mapping[str, Any], seed: int):

@@ -17,9 +17,10 @@ from typing import Optional
 
 import torch
 from hivemind import DHT
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from ..protocol.cursor import RangeSet, block_examples
+from ..protocol.cursor import RangeSet
 from ..protocol.errors import IncompatibleState, ProtocolError, SwarmrunError
 from ..protocol.round import (
     Commit,
@@ -38,10 +39,12 @@ from ..protocol.round import (
     should_start_round,
     vote_key,
 )
+from ..protocol.manifest import DEFAULT_CHUNK_SIZE, Manifest
 from ..protocol.spec import Spec
 from ..protocol.transfer import Choice, ProviderRecord, choose_state, log_sources, providers_key
 from .averaging import RoundAverager, RoundOutcome
 from .output import Events, set_log_context
+from .swarm import record_validator, signed_subkey, subkey_owner
 from .state import FrozenState, RunState, digest_tensors
 from .transfer import Fetcher, StateServer, admit_open, make_step_record, read_step_record
 from .task import Task, batch_len, batch_to
@@ -82,8 +85,11 @@ class Trainer:
         state: the run state to start from (step 0 for a new run, or a downloaded one).
     """
 
-    def __init__(self, *, spec: Spec, task: Task, dht: DHT, state: RunState, events: Events, config: TrainerConfig):
+    def __init__(self, *, spec: Spec, task: Task, dht: DHT, state: RunState, events: Events, config: TrainerConfig,
+                 identity: RSAPrivateKey):
         self.spec, self.task, self.dht, self.state, self.events, self.config = spec, task, dht, state, events, config
+        # provider records are signed with the peer's identity (its p2pd key): no one announces in its name
+        self._provider_subkey = signed_subkey(record_validator(identity), dht.peer_id.to_base58())
         self.device = torch.device(config.device)
         self.peer_id = dht.peer_id.to_base58()
         self.params = [p for p in state.model.parameters()]
@@ -99,10 +105,13 @@ class Trainer:
         self.stats = dict(steps_committed=0, rounds_abandoned=0, resyncs=0)
         self.server: Optional[StateServer] = None  # serves self.frozen and the step records to joiners
         self.fetcher: Optional[Fetcher] = None
+        self._diverged = None  # the manifest of a replay that did not give the committers' state (diagnosis)
         self._record: Optional[FrozenState] = None  # the step record of the last commit, to publish
         self.frozen: Optional[FrozenState] = None  # the state of the current step, frozen (served, snapshotted)
         self.commit_hooks: list = []  # hook(frozen) after every committed step, in this loop; must not block
         self._state_hash = ""
+        self.chunk_size = int(spec.hparams.get("chunk_size", DEFAULT_CHUNK_SIZE))
+        self._record_bytes = sum(p.numel() * p.element_size() for p in self.params)  # one step record
         averaged = [torch.zeros_like(p, device="cpu") for p in self.params]
         self.averager = RoundAverager(
             averaged,
@@ -125,7 +134,7 @@ class Trainer:
     # ---- state served to joiners (frozen copy, refreshed after every commit) ------------------------
     def _refresh_served_state(self) -> None:
         """Freeze the state of the current step (runs in the worker thread; published from the loop)."""
-        self.frozen = self.state.freeze()
+        self.frozen = self.state.freeze(chunk_size=self.chunk_size)
         self._state_hash = self.frozen.manifest.state_hash()
         set_log_context(step=self.state.step)
 
@@ -163,36 +172,53 @@ class Trainer:
         try:
             await self._refresh_view()
             while True:
-                if not (self.dht.is_alive() and self.averager.is_alive()):
-                    raise SwarmrunError("hivemind's DHT or averager process died; leaving")
-                if self.state.step >= self.spec.total_steps or self.view.finished():
-                    self.finished = True
-                    return "finished"
-                if self.config.max_steps is not None and self.state.step >= self.config.max_steps:
-                    return "max_steps"
-                if self.stop_requested.is_set():
-                    return "stopped"
-                if self._behind():
-                    await self.resync()
-                    continue
-                if self.config.role == Role.KEEPER:
-                    await asyncio.sleep(self.config.report_interval)
-                    continue
-                if len(self.view.trainers) < self.config.min_peers:
-                    if self.samples < self.spec.target_batch_size:
-                        await self._compute_once()
-                    else:
-                        await asyncio.sleep(self.config.report_interval)
-                    continue
-                if should_start_round(self.view, me=self.peer_id, step=self.state.step, samples=self.samples,
-                                      target_batch_size=self._target()):
-                    await self.run_round()
-                else:
-                    await self._compute_once()
+                try:
+                    reason = await self._iterate()
+                except Exception:
+                    # a SIGTERM to the whole process group reaches hivemind's children too: what fails while
+                    # leaving is part of leaving (the committed state is safe with the others)
+                    if self.stop_requested.is_set():
+                        return "stopped"
+                    raise
+                if reason is not None:
+                    return reason
         finally:
             reporter.cancel()
             if self.dht.is_alive():
-                await self._publish_report()  # the last word: finished or where we stopped
+                try:  # the last word: finished or where we stopped (bounded: the DHT may be on its way out)
+                    await asyncio.wait_for(self._publish_report(), 5.0)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def _iterate(self) -> Optional[str]:
+        """One turn of the main loop; why the peer leaves, or None to go on."""
+        if not (self.dht.is_alive() and self.averager.is_alive()):
+            await asyncio.sleep(0.5)
+            if self.stop_requested.is_set():
+                return "stopped"
+            raise SwarmrunError("hivemind's DHT or averager process died; leaving")
+        if self.state.step >= self.spec.total_steps or self.view.finished():
+            self.finished = True
+            return "finished"
+        if self.config.max_steps is not None and self.state.step >= self.config.max_steps:
+            return "max_steps"
+        if self.stop_requested.is_set():
+            return "stopped"
+        if self._behind():
+            await self.resync()
+        elif self.config.role == Role.KEEPER:
+            await asyncio.sleep(self.config.report_interval)
+        elif len(self.view.trainers) < self.config.min_peers:
+            if self.samples < self.spec.target_batch_size:
+                await self._compute_once()
+            else:
+                await asyncio.sleep(self.config.report_interval)
+        elif should_start_round(self.view, me=self.peer_id, step=self.state.step, samples=self.samples,
+                                target_batch_size=self._target()):
+            await self.run_round()
+        else:
+            await self._compute_once()
+        return None
 
     def _target(self) -> int:
         """Samples a step needs: target_batch_size, or what is left of the data epoch (its last step is short)."""
@@ -357,7 +383,8 @@ class Trainer:
         self.stats["steps_committed"] += 1
         self._record = make_step_record(spec_hash=self.spec.spec_hash(), step=self.state.step - 1, grads=grads,
                                         applied=applied, data_epoch=self.state.cursor.data_epoch,
-                                        state_hash_before=before, state_hash_after=self.state_hash)
+                                        state_hash_before=before, state_hash_after=self.state_hash,
+                                        chunk_size=self.chunk_size)
         every = int(self.spec.hparams.get("eval_every", 0))
         if every and self.state.step % every == 0 or self.state.step == self.spec.total_steps:
             loss = self.task.evaluate(self.state.model, self.device)
@@ -416,19 +443,27 @@ class Trainer:
             IncompatibleState: nothing verified could be had before ``deadline``.
         """
         await self.start_serving()
-        how = dict(bytes=0, fetched=0, replayed=0, providers=0)
+        how = dict(bytes=0, fetched=0, replayed=0, providers=0, banned=0)
         last_error = "no provider announced a state"
         while time.monotonic() < deadline:
             if not self.dht.is_alive():
                 raise SwarmrunError("hivemind's DHT process died; leaving")
             await self._refresh_view()
             records = {p: r for p, r in (await read_providers(self.dht, self.spec.run_id)).items() if p != self.peer_id}
+            if not records and not any(p != self.peer_id for p in self.view.reports):
+                last_error = "no peer of the run answered"  # a DHT read can miss under load: ask again
+                await asyncio.sleep(self.config.report_interval)
+                continue
             newest = max([r.step for r in records.values()] + [self.view.newest_step])
             if self.state.step >= newest and not self._behind():
                 return how
-            if await self._replay(records, newest, deadline, how):
-                continue
             choice = choose_state(records, trusted_hashes=self._trusted_hashes())
+            # replay while the records to fetch weigh less than a whole state (Adam: about 3 records); after one
+            # state fetch always replay: a swarm that steps during every fetch must not send us round again
+            fetch_first = how["fetched"] == 0 and choice is not None and choice.step > self.state.step and \
+                (newest - self.state.step) * self._record_bytes > records[choice.providers[0]].total_bytes
+            if not fetch_first and await self._replay(records, newest, deadline, how):
+                continue
             if choice is None or (choice.step, choice.state_hash) == (self.state.step, self.state_hash) or \
                     (choice.step < self.state.step and not self._behind()):
                 await asyncio.sleep(self.config.report_interval)  # nothing better to fetch yet
@@ -439,6 +474,10 @@ class Trainer:
                 last_error = str(e)
                 await asyncio.sleep(self.config.report_interval)
                 continue
+            if self._diverged is not None and self._diverged.step == frozen.step:
+                logger.warning(f"the replayed state of step {frozen.step} differed from the fetched one in: "
+                               f"{', '.join(manifest_differences(self._diverged, frozen.manifest)) or 'nothing?'}")
+            self._diverged = None
             await asyncio.to_thread(self.state.apply_frozen, frozen)
             await asyncio.to_thread(self._refresh_served_state)
             if self.server is not None:
@@ -466,6 +505,7 @@ class Trainer:
             raise IncompatibleState(f"state of step {choice.step} does not verify: {faults[:1] or 'state_hash'}")
         how["bytes"] += stats.bytes
         how["fetched"] += 1
+        how["banned"] += len(stats.banned)
         how["providers"] = max(how["providers"], sum(1 for b in stats.by_provider.values() if b > 0))
         logger.info(f"fetched state of step {choice.step}: {stats.bytes / 2**20:.1f} MiB in {stats.seconds:.2f}s from "
                     f"{how['providers']} provider(s)" + (f", resumed {stats.resumed_chunks} chunks" if stats.resumed_chunks else ""))
@@ -491,6 +531,7 @@ class Trainer:
             if self.state_hash != after:
                 # e.g. another device's arithmetic: the replay does not give the committers' bits
                 logger.warning(f"replaying step {self.state.step - 1} did not give the committers' state; fetching one")
+                self._diverged = self.frozen.manifest
                 self.server.drop_records()
                 await asyncio.to_thread(self._refresh_served_state)
                 return False
@@ -528,7 +569,7 @@ class Trainer:
         record = self._provider_record()
         if record is not None:
             try:
-                await _await(self.dht.store(providers_key(self.spec.run_id), subkey=self.peer_id, value=record.encode(),
+                await _await(self.dht.store(providers_key(self.spec.run_id), subkey=self._provider_subkey, value=record.encode(),
                                             expiration_time=get_dht_time() + self.config.report_ttl, return_future=True))
             except Exception as e:
                 logger.debug(f"could not announce the served state: {e!r}")
@@ -557,8 +598,11 @@ class Trainer:
             await asyncio.sleep(self.config.report_interval)
 
     async def stop_serving(self) -> None:
-        if self.server is not None:
-            await self.server.stop()
+        if self.server is not None and self.dht.is_alive():
+            try:
+                await asyncio.wait_for(self.server.stop(), 3.0)  # p2pd may be gone: never hang on the way out
+            except asyncio.TimeoutError:
+                pass
 
     def shutdown(self) -> None:
         try:
@@ -586,8 +630,30 @@ async def read_view(dht: DHT, run_id: str) -> SwarmView:
 
 
 async def read_providers(dht: DHT, run_id: str) -> dict[str, ProviderRecord]:
-    """The live provider records of a run, by peer id (malformed ones are ignored)."""
-    return await read_subkeys(dht, providers_key(run_id), ProviderRecord.decode)
+    """The live provider records of a run, by peer id: only records signed by the peer they name (hivemind's
+    validator checked the signature; ``subkey_owner`` that the key is that peer's identity); malformed ones
+    are ignored."""
+    found = await _await(dht.get(providers_key(run_id), latest=True, return_future=True))
+    out = {}
+    if found is not None and isinstance(found.value, dict):
+        for subkey, item in found.value.items():
+            owner = subkey_owner(subkey)
+            if owner is None:
+                continue
+            try:
+                out[owner] = ProviderRecord.decode(item.value)
+            except (ProtocolError, AttributeError, TypeError):
+                continue
+    return out
+
+
+def manifest_differences(a: Manifest, b: Manifest) -> list[str]:
+    """Where two manifests' training content differs: tensor names, content keys (a diagnosis for logs)."""
+    out = [f"{x.name}" for x, y in zip(a.tensors, b.tensors) if x.digest != y.digest or x.name != y.name]
+    out += [f"content.{k}" for k in sorted(set(a.content) | set(b.content)) if a.content.get(k) != b.content.get(k)]
+    if a.spec_hash != b.spec_hash:
+        out.append("spec_hash")
+    return out
 
 
 def _tensor_faults(frozen: FrozenState) -> list[str]:

@@ -36,6 +36,7 @@ from ..protocol.transfer import (
     header_length,
     protocol_name,
 )
+from . import faults
 from .state import _DTYPES, FrozenState, tensor_bytes
 
 logger = logging.getLogger("swarmrun.transfer")
@@ -128,6 +129,7 @@ class StateServer:
         self._refused_logged: set[str] = set()
 
     async def start(self) -> None:
+        _quiet_dropped_streams(asyncio.get_running_loop())
         await self.p2p.add_binary_stream_handler(protocol_name(self.run_id), self._handle)
 
     async def stop(self) -> None:
@@ -213,6 +215,10 @@ class StateServer:
                     await _write(writer, Refused(reason=f"no chunk {message.index}").encode())
                     return
                 data = frozen.chunk(message.index)
+                if faults.delay_seconds("serve") and frozen.manifest.content.get("kind") != "step_record":
+                    await asyncio.sleep(faults.delay_seconds("serve"))
+                if faults.corrupts("serve", frozen.step):
+                    data = memoryview(bytes(data[:-1]) + bytes([data[-1] ^ 0xFF])) if data.nbytes else data
                 await _write(writer, Chunk(index=message.index, size=data.nbytes).encode(), data)
                 self.bytes_served += data.nbytes
                 served.last_used = time.monotonic()
@@ -228,6 +234,25 @@ class StateServer:
                 served.sessions -= 1
                 served.last_used = time.monotonic()
             writer.close()
+
+
+def _quiet_dropped_streams(loop: asyncio.AbstractEventLoop) -> None:
+    """p2pd sometimes dials the handler socket and hangs up before naming the stream (a stream the remote reset);
+    hivemind's handler then raises IncompleteReadError into asyncio's default handler, a traceback per stream.
+    Those go to the debug log; every other unhandled error still reaches the default handler."""
+    previous = loop.get_exception_handler()
+
+    def handler(loop, context):
+        if isinstance(context.get("exception"), asyncio.IncompleteReadError) and \
+                "client_connected_cb" in context.get("message", ""):
+            logger.debug(f"p2pd dropped a stream before it started: {context['exception']!r}")
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 async def _read_header(reader: asyncio.StreamReader):
@@ -281,6 +306,7 @@ class Fetcher:
         self.p2p, self.run_id, self.spec_hash = p2p, run_id, spec_hash
         self.window, self.chunk_timeout, self.credentials = window, chunk_timeout, credentials
         self.partials: dict[str, Partial] = {}
+        self.banned: set[str] = set()  # providers caught lying: never asked again by this peer
 
     async def fetch(self, manifest_hash: str, providers: Sequence[str], *, deadline: float,
                     progress: Optional[Callable[[int, int, int], None]] = None) -> tuple[FrozenState, FetchStats]:
@@ -294,6 +320,9 @@ class Fetcher:
         """
         t0 = time.monotonic()
         stats = FetchStats()
+        providers = [p for p in providers if p not in self.banned]
+        if not providers:
+            raise FetchFailed(f"no provider of {manifest_hash[:12]} left to ask (every one announced lied before)")
         partial = self.partials.get(manifest_hash)
         plan: Optional[TransferPlan] = None
         if partial is not None:
@@ -339,6 +368,7 @@ class Fetcher:
         partial, plan = state["partial"], state["plan"]
         stats.seconds = time.monotonic() - t0
         stats.banned = sorted(banned)
+        self.banned |= banned
         if plan is None or not plan.finished:
             why = ("no provider sent the manifest (unreachable, refused, or it did not match the announced hash)"
                    if plan is None else f"{len(partial.have)}/{plan.num_chunks} chunks verified, then every provider "

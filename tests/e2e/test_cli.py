@@ -82,6 +82,9 @@ def test_existing_and_missing_runs_and_another_corpus(tmp_path):
         assert status.returncode == 0, status.stderr[-2000:]
         st = last_event(status)
         assert st["event"] == "status" and st["task"] == "char-lm" and len(st["peers"]) == 1
+        # ... and what it serves: the state of its step, which joiners fetch
+        assert [p["peer_id"] for p in st["providers"]] == [st["peers"][0]["peer_id"]]
+        assert st["providers"][0]["state_hash"] == st["peers"][0]["state_hash"] and st["providers"][0]["mib"] > 0
         # a joiner whose corpus differs from the run's is refused with exit 5
         (corpus / "a.txt").write_text("another corpus " * 400)
         other = run_cli("join", "cli-run", "--peers", swarm.maddr, "--state-dir", state("x3"), "--json")

@@ -1,0 +1,69 @@
+"""Bootstrap and catch-up with real peers: many providers (a keeper, a lying one), a swarm faster than the transfer."""
+
+import signal
+
+import pytest
+
+from tests.swarm_helpers import Swarm
+
+pytestmark = pytest.mark.integration
+
+LONG_RUN = ("--set", "total_steps=100000", "--set", "hidden=256", "--matchmaking-time", "1.0")
+
+
+def _leave_all(swarm) -> None:
+    """SIGTERM every peer (a graceful leave) and wait for each to exit cleanly."""
+    for peer in swarm.peers.values():
+        peer.kill_group(signal.SIGTERM)
+    for name in swarm.peers:
+        assert swarm.wait_exit(name, timeout=120) == 0, swarm.log(name)[-3000:]
+
+
+def _assert_one_state_per_step(swarm) -> dict:
+    by_step: dict = {}
+    for name in swarm.peers:
+        for kind in ("step", "resync", "bootstrapped", "left"):
+            for e in swarm.events(name, kind):
+                by_step.setdefault(e["step"], {})[name] = e["state_hash"]
+    for step, by_peer in by_step.items():
+        assert len(set(by_peer.values())) == 1, (step, by_peer)
+    return by_step
+
+
+def test_joiner_bootstraps_from_several_providers_despite_a_liar(tmp_path):
+    with Swarm(tmp_path, "boot") as swarm:
+        swarm.create("p0", "--task", "synthetic", *LONG_RUN, "--set", "chunk_size=1024", "--min-peers", "2")
+        swarm.join("liar", "--matchmaking-time", "1.0", env={"SWARMRUN_FAULTS": "corrupt@serve:step=0"})
+        swarm.start_keeper("keeper")
+        swarm.wait_for("keeper", "bootstrapped", timeout=180)
+        first = swarm.wait_for("p0", "step", timeout=120)["step"]
+        swarm.wait_for("p0", "step", timeout=120, step=first + 3)  # a state worth fetching (replay is dearer)
+        swarm.join("late", "--matchmaking-time", "1.0")
+        boot = swarm.wait_for("late", "bootstrapped", timeout=180)
+        # three providers announced the state; the liar's chunks did not verify, the others served it
+        assert boot["fetched"] >= 1 and boot["step"] >= 3, boot
+        assert boot["providers"] >= 1 and boot["bytes"] > 0, boot
+        swarm.wait_for("late", "step", timeout=120)  # it trains in the swarm after the bootstrap
+        _leave_all(swarm)
+        _assert_one_state_per_step(swarm)
+        assert [e for e in swarm.events("keeper", "left")][0]["step"] >= boot["step"]  # the keeper kept up
+        # whoever asked the liar for chunks caught it (and it never got a corrupt state in)
+        banned = sum(e.get("banned", 0) for n in ("keeper", "late") for e in swarm.events(n, "bootstrapped")
+                     + swarm.events(n, "resync"))
+        assert banned >= 1 or "lied" not in (tmp_path / "late.log").read_text() + (tmp_path / "keeper.log").read_text()
+
+
+def test_swarm_faster_than_the_transfer_still_admits_the_joiner(tmp_path):
+    slow = {"SWARMRUN_FAULTS": "delay@serve:ms=100"}  # every state chunk waits 100 ms: seconds for the state
+    with Swarm(tmp_path, "fast") as swarm:
+        swarm.create("p0", "--task", "synthetic", *LONG_RUN, "--set", "chunk_size=512", "--min-peers", "2", env=slow)
+        swarm.join("p1", "--matchmaking-time", "1.0", env=slow)
+        first = swarm.wait_for("p0", "step", timeout=120)["step"]
+        swarm.wait_for("p0", "step", timeout=120, step=first + 3)
+        swarm.join("late", "--matchmaking-time", "1.0")
+        boot = swarm.wait_for("late", "bootstrapped", timeout=180)
+        # the swarm stepped while the state travelled; the joiner replayed step records instead of starting over
+        assert boot["fetched"] == 1 and boot["replayed"] >= 1, boot
+        swarm.wait_for("late", "step", timeout=120)
+        _leave_all(swarm)
+        _assert_one_state_per_step(swarm)
