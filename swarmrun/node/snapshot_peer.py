@@ -265,7 +265,11 @@ class SnapshotSide:
     _tasks: list = field(default_factory=list)  # background loops, cancelled on close
 
     def start(self) -> None:
+        """Call once the peer holds the state it trains from (after a resume or a bootstrap)."""
         t = self.trainer
+        # a pause this peer's state is already past (the one a resumed run was paused by) is history
+        self.started_step = max(self.started_step, t.state.step)
+        self.started_time = get_dht_time()
         if self.writer is not None:
             t.commit_hooks.append(self.writer.on_commit)
         t.commit_hooks.append(self._on_commit)

@@ -70,3 +70,34 @@ async def test_auto_policy_reports_interval_and_expected_replay(tmp_path):
     assert writer.failures.failures == 1
     policy = [e for e in events.events if e["event"] == "snapshot_policy"]
     assert policy[-1]["failures"] == 1 and policy[-1]["interval_s"] < 0.8 * policy[0]["interval_s"]
+
+
+def test_pause_record_is_honoured_only_from_the_owner_and_when_current(tmp_path):
+    from dataclasses import replace
+
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from swarmrun.node.snapshot_peer import SnapshotSide
+    from swarmrun.node.swarm import ensure_identity, public_key_bytes
+    from swarmrun.protocol.snapshot import PauseRecord
+
+    owner, intruder = ensure_identity(tmp_path / "owner")[1], ensure_identity(tmp_path / "intruder")[1]
+    spec, task = make_spec(run_id="w", task_cls=SyntheticTask, sets={}, seed=3, owner_key=public_key_bytes(owner))
+    state = initial_state(spec, task, "cpu")
+    state.step = 4
+    trainer = SimpleNamespace(spec=spec, state=state, commit_hooks=[], config=SimpleNamespace(report_interval=0.5))
+    side = SnapshotSide(trainer=trainer, signed=SignedSpec(spec=spec, signature=b""), history=(), events=Recorder())
+    side.started_step, side.started_time = state.step, get_dht_time()  # what start() records
+
+    def signed(key, **kw):
+        r = PauseRecord(**{**dict(run_id="w", spec_hash=spec.spec_hash(), at_step=5, time=get_dht_time() + 1), **kw})
+        return replace(r, signature=bytes(key.sign(r.unsigned_bytes())))
+
+    assert side._honoured(signed(owner))
+    assert not side._honoured(signed(intruder))
+    assert not side._honoured(replace(signed(owner), at_step=6))  # the signature covers the step
+    assert not side._honoured(signed(owner, spec_hash="0" * 64))
+    assert not side._honoured(signed(owner, run_id="v"))
+    # the pause a resumed run was paused by (older, at or before the state it holds) is history
+    assert not side._honoured(signed(owner, at_step=4, time=get_dht_time() - 60))
+    assert side._honoured(signed(owner, at_step=5, time=get_dht_time() - 60))
