@@ -123,3 +123,48 @@ async def test_provider_dies_mid_transfer_download_resumes_elsewhere(swarm):
     assert stats.resumed_chunks == kept
     assert stats.bytes == frozen.manifest.total_bytes - sum(
         frozen.manifest.chunk_range(i)[1] - frozen.manifest.chunk_range(i)[0] for i in range(kept))
+
+
+async def test_provider_killed_mid_transfer(swarm, monkeypatch):
+    """A provider's whole peer (DHT and p2pd) dies in the middle: the others finish the transfer."""
+    dhts, p2ps = swarm
+    frozen = _state(nbytes=6 * 2**20, chunk_size=1 << 17)
+    monkeypatch.setattr("swarmrun.node.faults.delay_seconds", lambda point: 0.02)  # every provider is slowish
+    for p in p2ps[1:]:
+        await _serve(p, frozen)
+    fetcher = Fetcher(p2ps[0], "run", SPEC, chunk_timeout=3)
+    peers = [d.peer_id.to_base58() for d in dhts[1:]]
+    done = {"bytes": 0}
+
+    def progress(new, total, active):
+        done["bytes"] += new
+
+    fetch = asyncio.create_task(fetcher.fetch(frozen.manifest.manifest_hash(), peers, deadline=time.monotonic() + 90,
+                                              progress=progress))
+    while done["bytes"] < frozen.manifest.total_bytes // 4:
+        await asyncio.sleep(0.05)
+    dhts[1].shutdown()  # kills its p2pd: its streams break mid-chunk
+    got, stats = await fetch
+    assert bytes(got.data) == bytes(frozen.data) and got.faults() == []
+    assert stats.by_provider[peers[0]] < frozen.manifest.total_bytes // 2
+
+
+async def test_manifest_not_matching_its_hash_bans_the_provider(swarm):
+    dhts, p2ps = swarm
+    frozen, other = _state(), _state(nbytes=2**20)
+
+    class _Swapper(StateServer):
+        def _find(self, manifest_hash):  # answers every request with another state's manifest
+            return super()._find(other.manifest.manifest_hash())
+
+    liar = _Swapper(p2ps[1], "run", admit_open(SPEC))
+    await liar.start()
+    liar.publish_state(other)
+    await _serve(p2ps[2], frozen)
+    peers = [dhts[1].peer_id.to_base58(), dhts[2].peer_id.to_base58()]
+    fetcher = Fetcher(p2ps[0], "run", SPEC, chunk_timeout=10)
+    got, stats = await fetcher.fetch(frozen.manifest.manifest_hash(), peers, deadline=time.monotonic() + 60)
+    assert bytes(got.data) == bytes(frozen.data)
+    assert stats.banned == [peers[0]] and fetcher.banned == {peers[0]}
+    with pytest.raises(FetchFailed):  # a caught liar is never asked again
+        await fetcher.fetch(other.manifest.manifest_hash(), peers[:1], deadline=time.monotonic() + 10)
