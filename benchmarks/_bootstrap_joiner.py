@@ -28,8 +28,8 @@ import torch  # noqa: E402
 from hivemind import DHT  # noqa: E402
 from hivemind.p2p import PeerID  # noqa: E402
 
-from _bootstrap_state import (DHT_KWARGS, MB, RAW_PROTOCOL, BenchAverager, apply_hivemind,  # noqa: E402
-                              build_state, hivemind_prefix, run_id_for)
+from _bootstrap_state import (MB, RAW_PROTOCOL, BenchAverager, apply_hivemind, build_state,  # noqa: E402
+                              hivemind_prefix, make_dht, run_id_for)
 from _common import emit  # noqa: E402
 from swarmrun.node.trainer import read_providers  # noqa: E402
 from swarmrun.node.transfer import Fetcher  # noqa: E402
@@ -44,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--providers", nargs="+", required=True, help="provider peer ids, by index (raw)")
     p.add_argument("--initial-peers", nargs="+", required=True)
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--state-dir", required=True, help="where this peer's identity file goes")
     p.add_argument("--hidden", type=int, required=True)
     p.add_argument("--layers", type=int, required=True)
     p.add_argument("--seed", type=int, required=True)
@@ -146,8 +147,7 @@ def main(argv=None) -> int:
         if opts.mode != "raw":  # a fresh model from another seed: loading must replace every bit of it
             state = build_state(hidden=opts.hidden, layers=opts.layers, seed=opts.seed, run_base=opts.run_base,
                                 stepped=False)
-        dht = DHT(start=True, host_maddrs=[f"/ip4/{opts.host}/tcp/0"], initial_peers=opts.initial_peers,
-                  **DHT_KWARGS)
+        dht, _ = make_dht(opts.host, opts.initial_peers, Path(opts.state_dir))
         if opts.mode == "swarmrun":
             out = asyncio.run(take_swarmrun(opts, dht, state))
         elif opts.mode == "hivemind":

@@ -25,9 +25,10 @@ import torch  # noqa: E402
 from hivemind import DHT  # noqa: E402
 from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
 
-from _bootstrap_state import (DHT_KWARGS, RAW_PROTOCOL, RAW_WRITE, BenchAverager, build_state,  # noqa: E402
-                              hivemind_prefix, live_tensors, run_id_for)
+from _bootstrap_state import (RAW_PROTOCOL, RAW_WRITE, BenchAverager, build_state, hivemind_prefix,  # noqa: E402
+                              live_tensors, make_dht, run_id_for)
 from _common import emit  # noqa: E402
+from swarmrun.node.swarm import record_validator, signed_subkey  # noqa: E402
 from swarmrun.node.transfer import StateServer, admit_open  # noqa: E402
 from swarmrun.protocol.transfer import ProviderRecord, providers_key  # noqa: E402
 
@@ -45,13 +46,15 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, required=True)
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--chunk-size", type=int, default=1 << 20)
+    p.add_argument("--state-dir", required=True, help="where this peer's identity file goes")
     p.add_argument("--hivemind", action="store_true", help="also be hivemind's state donor")
     return p.parse_args(argv)
 
 
-async def serve(opts, dht: DHT, frozen, spec_hash: str) -> None:
+async def serve(opts, dht: DHT, key, frozen, spec_hash: str) -> None:
     p2p = await dht.replicate_p2p()
     peer_id = dht.peer_id.to_base58()
+    subkey = signed_subkey(record_validator(key), peer_id)  # as Trainer: the record is signed by this peer
     data = frozen.data
     runs = [run_id_for(opts.run_base, k) for k in PROVIDER_COUNTS if k > opts.index]
     for run_id in runs:
@@ -78,7 +81,7 @@ async def serve(opts, dht: DHT, frozen, spec_hash: str) -> None:
                             time=get_dht_time())
 
     async def announce() -> None:
-        futures = [dht.store(providers_key(run_id), subkey=peer_id, value=record.encode(),
+        futures = [dht.store(providers_key(run_id), subkey=subkey, value=record.encode(),
                              expiration_time=get_dht_time() + 60, return_future=True) for run_id in runs]
         await asyncio.gather(*[asyncio.wait_for(_wait(f), 30) for f in futures], return_exceptions=True)
 
@@ -103,14 +106,13 @@ def main(argv=None) -> int:
         state = build_state(hidden=opts.hidden, layers=opts.layers, seed=opts.seed, run_base=opts.run_base,
                             stepped=True)
         frozen = state.freeze(chunk_size=opts.chunk_size)
-        dht = DHT(start=True, host_maddrs=[f"/ip4/{opts.host}/tcp/0"], initial_peers=opts.initial_peers,
-                  **DHT_KWARGS)
+        dht, key = make_dht(opts.host, opts.initial_peers, Path(opts.state_dir))
         if opts.hivemind:
             names, tensors = live_tensors(state)
             metadata = dict(spec_hash=state.spec_hash, step=state.step, content=frozen.manifest.content)
             donor = BenchAverager([torch.zeros(1)], dht, names=names, tensors=tensors, metadata=metadata, start=True,
                           prefix=hivemind_prefix(opts.run_base), allow_state_sharing=True, declare_state_period=10)
-        asyncio.run(serve(opts, dht, frozen, state.spec_hash))
+        asyncio.run(serve(opts, dht, key, frozen, state.spec_hash))
         return 0
     except KeyboardInterrupt:
         return 130

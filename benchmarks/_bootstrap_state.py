@@ -8,18 +8,22 @@ so the moments exist and every provider holds the same bits without a forward pa
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Sequence
 import torch
+from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 
 from swarmrun.node.state import RunState
+from swarmrun.node.swarm import ensure_identity, record_validator
 from swarmrun.protocol.cursor import DataCursor
 
 RAW_PROTOCOL = "/swarmrun-bench/raw/1"  # the ceiling: raw hivemind P2P binary streams, 1 MiB writes
 RAW_WRITE = 1 << 20
 MB = 1e6  # figures are in decimal megabytes (302 MB = 25.2M params x 3 x 4 bytes)
 # a DHT RPC counts as lost after this many seconds (hivemind's default, 3 s, fails bootstraps on a loaded machine)
-DHT_KWARGS = dict(wait_timeout=20)
+DHT_WAIT_TIMEOUT = 20.0
 
 
 def spec_hash_for(run_base: str) -> str:
@@ -33,6 +37,16 @@ def run_id_for(run_base: str, k: int) -> str:
 
 def hivemind_prefix(run_base: str) -> str:
     return f"{run_base}_hm".replace("-", "_")
+
+
+def make_dht(host: str, initial_peers: Sequence[str], state_dir: Path) -> tuple[DHT, Any]:
+    """This peer's DHT (and p2pd) as swarmrun's ``start_dht`` makes it: its identity file in ``state_dir`` and
+    the signed-record validator with that key (provider records are signed). Returns the DHT and the key."""
+    identity_path, key = ensure_identity(state_dir)
+    dht = DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=list(initial_peers) or None,
+              identity_path=identity_path, client_mode=False, record_validators=[record_validator(key)],
+              wait_timeout=DHT_WAIT_TIMEOUT)
+    return dht, key
 
 
 def build_state(*, hidden: int, layers: int, seed: int, run_base: str, stepped: bool) -> RunState:

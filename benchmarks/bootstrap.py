@@ -83,7 +83,8 @@ class Providers:
             cmd = [*(self.net.prefix(i) if self.net else []), sys.executable, str(HERE / "_bootstrap_provider.py"),
                    "--run-base", self.run_base, "--index", str(i), "--host", self.host(i), "--seed", str(self.opts.seed),
                    "--hidden", str(self.opts.hidden), "--layers", str(self.opts.layers),
-                   "--chunk-size", str(self.opts.chunk_size), *(["--hivemind"] if i == 0 else [])]
+                   "--chunk-size", str(self.opts.chunk_size), "--state-dir", str(self.log_dir / f"provider{i}"),
+                   *(["--hivemind"] if i == 0 else [])]
             if i > 0:
                 cmd += ["--initial-peers", *self.ready[0]["maddrs"]]
             self.peers.append(Peer(f"{self.network}-provider{i}", cmd, self.log_dir, stdin_pipe=True))
@@ -108,6 +109,7 @@ class Providers:
 def start_joiner(opts, providers: Providers, mode: str, k: int, log_dir: Path, name: str) -> Peer:
     first = providers.ready[0]
     cmd = [sys.executable, str(HERE / "_bootstrap_joiner.py"), "--mode", mode, "--k", str(k), "--wait-go",
+           "--state-dir", str(log_dir / name),
            "--run-base", providers.run_base, "--providers", *[r["peer_id"] for r in providers.ready],
            "--initial-peers", *providers.maddrs(), "--host", providers.net.joiner_host if providers.net else "127.0.0.1",
            "--hidden", str(opts.hidden), "--layers", str(opts.layers), "--seed", str(opts.seed),
