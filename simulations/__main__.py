@@ -27,6 +27,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=None, help="override the trace's seed")
     r.add_argument("--no-baseline", action="store_true", help="skip the single-process baseline")
     r.add_argument("--json", action="store_true", help="JSON lines; the last one is the summary")
+    rp = sub.add_parser("report", help="recompute summary.json and the plots from a run's folder (events.jsonl)")
+    rp.add_argument("dir", metavar="DIR", help="the --out folder of an earlier run")
+    rp.add_argument("--trace", required=True, help="the trace that run used")
+    rp.add_argument("--seed", type=int, default=None)
+    rp.add_argument("--no-baseline", action="store_true")
+    rp.add_argument("--json", action="store_true")
     e = sub.add_parser("expand", help="print a trace's events, generators expanded (JSON lines)")
     e.add_argument("trace", metavar="TRACE")
     e.add_argument("--seed", type=int, default=None)
@@ -59,6 +65,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = _Out(getattr(args, "json", False))
     try:
         trace = load_trace(args.trace, seed=args.seed)
+        if args.command == "report":
+            return _report(args, trace, out)
         if args.command == "expand":
             for ev in trace.expanded():
                 print(json.dumps(ev.to_dict()))
@@ -74,9 +82,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run(trace, args, out) -> int:
-    from .baseline import run_baseline
-    from .checks import check_all, eval_losses, samples_per_step
-    from .report import compare_loss, figures, write_report
     from .runner import Simulation
 
     folder = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix=f"sim-{trace.name}-"))
@@ -84,24 +89,65 @@ def _run(trace, args, out) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     sim = Simulation(trace, logs=logs, emit=out)
+    interrupted = False
     try:
-        rec = sim.run()
+        rec = sim.run()  # its own `finally` has cleaned up processes and namespaces when it returns or raises
+    except KeyboardInterrupt:
+        interrupted, rec = True, sim.rec
+        out("sim", message="interrupted; peers and namespaces cleaned up; writing the report of what ran")
     finally:
         _dump_events(folder, sim)
+    return _finish(folder, trace, rec, cleaned=sim.cleaned, run_id=sim.run_id, args=args, out=out,
+                   interrupted=interrupted, wall_s=time.monotonic() - t0)
+
+
+def _report(args, trace, out) -> int:
+    """Recompute the checks, figures and plots of a finished (or interrupted) run from its saved record."""
+    from .checks import Life, Record
+
+    folder = Path(args.dir)
+    try:
+        saved = json.loads((folder / "lives.json").read_text())
+        lines = (folder / "events.jsonl").read_text().splitlines()
+        rec = Record(total_steps=int(saved.get("total_steps") or trace.sets.get("total_steps") or 0),
+                     target_batch_size=int(saved.get("target_batch_size") or trace.sets.get("target_batch_size") or 0))
+        rec.lives = {k: Life(**v) for k, v in saved["lives"].items()}
+        rec.faults = saved["faults"]
+        for line in lines:
+            e = json.loads(line)
+            rec.events.append((e.pop("t"), e.pop("peer"), e))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        from swarmrun.protocol.errors import UsageError
+
+        raise UsageError(f"{folder} does not hold a run's record (lives.json, events.jsonl): {e}") from None
+    rec.end = float(saved.get("end") or max((t for t, _, _ in rec.events), default=0.0))
+    run_id = saved.get("run_id") or next((e.get("run_id") for _, _, e in rec.events if e.get("run_id")), "")
+    cleaned = saved.get("cleaned")
+    if cleaned is None:  # an older record: whether anything of that run is still running now
+        cleaned = bool(run_id) and not any(run_id in c for c in _cmdlines())
+    return _finish(folder, trace, rec, cleaned=cleaned, run_id=run_id, args=args, out=out,
+                   interrupted=bool(saved.get("interrupted")), wall_s=rec.end)
+
+
+def _finish(folder: Path, trace, rec, *, cleaned: bool, run_id: str, args, out, interrupted: bool, wall_s: float) -> int:
+    from .baseline import run_baseline
+    from .checks import check_all, eval_losses, samples_per_step
+    from .report import compare_loss, figures, write_report
+
     baseline = None
     steps = samples_per_step(rec)
-    if not args.no_baseline and steps:
+    if not args.no_baseline and steps and not interrupted:
         ordered = [steps.get(s) for s in range(1, max(steps) + 1)]
         if None not in ordered:
             out("sim", message=f"baseline: {len(ordered)} steps in one process")
             baseline = run_baseline(task=trace.task, sets=trace.sets, seed=trace.seed, samples_per_step=ordered,
                                     eval_steps=sorted(eval_losses(rec)))
     loss = compare_loss(rec, baseline, rel_tol=trace.loss_tolerance, abs_tol=trace.loss_abs_tolerance)
-    invariants, problems = check_all(rec, cleaned=sim.cleaned, loss_ok=loss.get("ok") if baseline else None)
-    summary = figures(rec, trace.name, sim.run_id, loss, time.monotonic() - t0)
-    summary.update(invariants=invariants, problems=problems, seed=trace.seed, out=str(folder))
+    invariants, problems = check_all(rec, cleaned=cleaned, loss_ok=loss.get("ok") if baseline else None)
+    summary = figures(rec, trace.name, run_id, loss, wall_s)
+    summary.update(invariants=invariants, problems=problems, seed=trace.seed, out=str(folder), interrupted=interrupted)
     write_report(folder, summary, rec, loss, baseline)
-    ok = all(invariants.values())
+    ok = all(invariants.values()) and not interrupted
     if args.json:
         print(json.dumps(summary, default=str), flush=True)
     else:
@@ -109,8 +155,8 @@ def _run(trace, args, out) -> int:
             print(f"{'ok  ' if value else 'FAIL'} {name}" + "".join(f"\n       {p}" for p in problems.get(name, [])[:5]))
         lf = summary["loss"]
         print(f"final step {summary['final_step']}/{summary['total_steps']}, {summary['peers_started']} peers, "
-              f"faults {summary['faults']}, loss {lf.get('swarm_loss')} vs baseline {lf.get('baseline_loss')}; "
-              f"report in {folder}")
+              f"faults {summary['faults']}, loss {lf.get('swarm_loss')} vs baseline {lf.get('baseline_loss')}"
+              f"{' (interrupted)' if interrupted else ''}; report in {folder}")
     return 0 if ok else 1
 
 
@@ -120,7 +166,19 @@ def _dump_events(folder: Path, sim) -> None:
     with open(folder / "events.jsonl", "w") as f:
         for t, key, e in sim.rec.events:
             f.write(json.dumps(dict(t=round(t, 3), peer=key, **e), default=str) + "\n")
-    (folder / "lives.json").write_text(json.dumps(as_jsonable(sim.rec), indent=1, default=str))
+    saved = dict(as_jsonable(sim.rec), run_id=sim.run_id, cleaned=sim.cleaned)
+    (folder / "lives.json").write_text(json.dumps(saved, indent=1, default=str))
+
+
+def _cmdlines() -> list[str]:
+    rows = []
+    for pid in Path("/proc").iterdir():
+        if pid.name.isdigit():
+            try:
+                rows.append((pid / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:
+                pass
+    return rows
 
 
 if __name__ == "__main__":

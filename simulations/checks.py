@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 STATE_EVENTS = ("step", "bootstrapped", "resync", "resumed", "left")
+JOIN_ALLOWANCE = 120.0  # seconds a joiner may take to start and bootstrap before the run's end counts against it
 
 
 @dataclass
@@ -116,7 +117,9 @@ def frontier(rec: Record, t: float) -> tuple[int, list[str]]:
 def joiners_reach_current_step(rec: Record) -> tuple[bool, list[str], list[dict]]:
     """Invariant 3, second half: a joiner bootstraps to at least the step the swarm held when it started (unless
     every holder of that step died before it finished downloading), and one alive when the run ended ends at
-    the run's final step. Returns (ok, problems, one row per joiner for the report)."""
+    the run's final step. A joiner that exits on an error without bootstrapping while that step was served,
+    or is still not bootstrapped ``JOIN_ALLOWANCE`` seconds later, fails it; one the trace killed does not.
+    Returns (ok, problems, one row per joiner for the report)."""
     final = max([int(e["step"]) for _, _, e in rec.of(*STATE_EVENTS) if e.get("step") is not None], default=0)
     problems, rows = [], []
     for life in rec.lives.values():
@@ -133,8 +136,15 @@ def joiners_reach_current_step(rec: Record) -> tuple[bool, list[str], list[dict]
         row["last_step"] = last
         rows.append(row)
         if boot is None:
-            if life.ended_by in ("finished", "cleanup") and start_step < final:
+            end = life.end if life.end is not None else rec.end
+            providers = [k for k in holders if rec.lives[k].alive_at(end - 1e-6)] if start_step > 0 else []
+            if life.ended_by == "exit" and providers:  # it gave up (an error) while the state it needed was served
+                problems.append(f"{life.key} exited without bootstrapping while {providers[0]} held step {start_step}")
+            elif life.ended_by == "finished" and start_step < final:
                 problems.append(f"{life.key} joined at swarm step {start_step} and never bootstrapped")
+            elif life.ended_by == "cleanup" and providers and end - life.start > JOIN_ALLOWANCE:
+                problems.append(f"{life.key} did not bootstrap in {end - life.start:.0f}s while {providers[0]} "
+                                f"held step {start_step}")
             continue
         t_boot, b = boot
         survivors = [k for k in holders if rec.lives[k].alive_at(t_boot)]
@@ -235,4 +245,5 @@ def check_all(rec: Record, *, cleaned: bool, loss_ok: Optional[bool]) -> tuple[d
 
 
 def as_jsonable(rec: Record) -> dict[str, Any]:
-    return dict(lives={k: vars(v) for k, v in rec.lives.items()}, faults=rec.faults)
+    return dict(lives={k: vars(v) for k, v in rec.lives.items()}, faults=rec.faults, total_steps=rec.total_steps,
+                target_batch_size=rec.target_batch_size, end=rec.end)

@@ -77,6 +77,9 @@ def test_a_joiner_that_never_bootstraps_fails_and_a_killed_one_is_exempt():
     assert not joiners_reach_current_step(rec)[0]
     rec.lives["peer2.0"].end, rec.lives["peer2.0"].ended_by = 5.5, "kill"
     assert joiners_reach_current_step(rec)[0]
+    rec.lives["peer2.0"].ended_by = "exit"  # it gave up on its own while peer0 and peer1 served step 2
+    ok, problems, _ = joiners_reach_current_step(rec)
+    assert not ok and "exited without bootstrapping" in problems[0]
 
 
 def test_cursor_and_finish_and_cleanup_invariants():
