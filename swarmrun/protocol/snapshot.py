@@ -22,7 +22,7 @@ __all__ = [
     "SNAPSHOT_VERSION", "SnapshotRecord", "Amendment", "PauseRecord", "PauseNote", "AMENDABLE",
     "parse_store_ref", "record_path", "step_of_record_path", "retained", "elect_writer",
     "young_daly_interval", "estimate_mtbf", "SnapshotPolicy", "decide_snapshot", "pause_key", "paused_key",
-    "history_key", "parse_every",
+    "history_key", "parse_every", "SnapshotDecision", "amend_changes", "FailureWatch",
 ]
 
 SNAPSHOT_VERSION = 1
