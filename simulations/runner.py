@@ -423,7 +423,21 @@ class Simulation:
 
     # ---- clean-up ---------------------------------------------------------------------------------
     def _cleanup(self) -> None:
-        """SIGCONT then SIGKILL every process group started; wait for them; delete namespaces and temp dirs."""
+        """SIGCONT then SIGKILL every process group started; wait for them; delete namespaces and temp dirs.
+        A second Ctrl-C or SIGTERM does not cut this short (they are ignored until it is done)."""
+        old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                old[sig] = signal.signal(sig, signal.SIG_IGN)
+            except ValueError:  # not the main thread: nothing to protect from
+                pass
+        try:
+            self._cleanup_now()
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+    def _cleanup_now(self) -> None:
         groups = [p.proc.pid for p in self.procs.values()]
         if self.pause_proc is not None:
             groups.append(self.pause_proc.pid)
