@@ -2,7 +2,7 @@
 
 A model swarm drives the same pure functions the trainer uses (``pick_blocks``, ``SwarmView.leased``,
 ``decide_claims``, ``decide_commit``, ``step_target``, ``DataCursor.apply``) through any sequence of joins,
-crashes, graceful leaves, clock ticks, stale views (so claims overlap), forged claims, abandoned rounds
+crashes, graceful leaves, pauses resumed on another number of peers, clock ticks, stale views (so claims overlap), forged claims, abandoned rounds
 (a reducer failure) and rounds whose commit some participants miss (so the swarm forks and heals by
 re-sync). Every state keeps its own ledger of which blocks its lineage of commits applied, counted
 outside the cursor; the invariants:
@@ -94,7 +94,8 @@ class SwarmModel(RuleBasedStateMachine):
         return [p for p in self.peers if p.alive]
 
     def _newest(self) -> Lineage:
-        return max((p.state for p in self._alive()), key=lambda s: s.step, default=self.peers[0].state)
+        """The newest state of the live peers; with none, of all peers (a paused run's snapshot)."""
+        return max((p.state for p in self._alive() or self.peers), key=lambda s: s.step)
 
     def _all_states(self) -> set:
         return {id(p.state): p.state for p in self.peers}.values()
@@ -192,6 +193,18 @@ class SwarmModel(RuleBasedStateMachine):
         if graceful:  # the last report releases its blocks (the trainer's final report)
             self._publish(peer, release=True)
         peer.alive = False  # a crash leaves its last report, and its lease, in the DHT until it expires
+
+    @rule(batch_sizes=st.lists(st.integers(1, 20), min_size=1, max_size=3))
+    def pause_and_resume(self, batch_sizes):
+        """Every peer leaves (a pause); the run resumes from its newest state on another number of peers."""
+        newest = self._newest()
+        for p in self._alive():
+            self._publish(p, release=True)
+            p.alive = False
+        self._tick(TTL)
+        for batch_size in batch_sizes:
+            if len(self.peers) < 12:
+                self._add_peer(batch_size, newest)
 
     @rule(dt=st.floats(0.1, 6.0))
     def tick(self, dt):
