@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -67,7 +67,6 @@ class SwarmModel(RuleBasedStateMachine):
         self.now = 0.0
         self.dht: dict[str, tuple[ProgressReport, float]] = {}  # peer -> (report, expires at)
         self.peers: list[Peer] = []
-        self.forks = 0
         first = Lineage(0, DataCursor.new(seed=seed, num_examples=num_examples, block_size=block_size))
         self._add_peer(batch_size, first)
 
@@ -97,8 +96,8 @@ class SwarmModel(RuleBasedStateMachine):
         """The newest state of the live peers; with none, of all peers (a paused run's snapshot)."""
         return max((p.state for p in self._alive() or self.peers), key=lambda s: s.step)
 
-    def _all_states(self) -> set:
-        return {id(p.state): p.state for p in self.peers}.values()
+    def _all_states(self) -> list[Lineage]:
+        return list({id(p.state): p.state for p in self.peers}.values())
 
     def _resync_if_behind(self, peer: Peer) -> None:
         newest = self._newest()
@@ -154,8 +153,10 @@ class SwarmModel(RuleBasedStateMachine):
                                  target_batch_size=step_target(state.cursor, self.target))
         if fail:
             assert isinstance(decision, Abandon)
-        refused_names = {names_i for names_i, i in zip(names, [j for j in range(len(metas)) if order[j] >= 0])
-                         if i in claims.refused}
+            event("a round abandoned after a reducer failure")
+        if claims.refused:
+            event("a claim refused (overlapping, stale or lying)")
+        refused_names = {group[k].name for j, k in enumerate(order) if k >= 0 and j in claims.refused}
         if not isinstance(decision, Commit):
             for p in group:  # nobody steps; a refused participant drops its gradients, the others keep them
                 if p.name in refused_names:
@@ -168,12 +169,13 @@ class SwarmModel(RuleBasedStateMachine):
         for b in claims.applied:
             counts[b] = counts.get(b, 0) + 1
         if new.cursor.data_epoch > state.cursor.data_epoch:  # the epoch closed: every block exactly once
+            event("a data epoch closed")
             assert sorted(counts) == list(range(state.cursor.num_blocks)) and set(counts.values()) == {1}
             assert new.cursor.history[-1] == {"epoch": state.cursor.data_epoch, "applied": state.cursor.num_blocks,
                                               "skipped": 0, "duplicated": 0}
         committers = [p for p in group if p.name not in missed] or group[:1]
         if len(committers) < len(group):
-            self.forks += 1
+            event("a commit some participants missed (a fork)")
         for p in committers:  # the others timed out on the vote: they keep their step and gradients
             p.state = new
             p.zero()
@@ -311,6 +313,7 @@ class SwarmModel(RuleBasedStateMachine):
             committed, refused = self._round(group, fail=False, missed=set(), forged=[])
             if not committed and not refused:  # (a refused claim was dropped: retry at once)
                 self._check_only_dead_reports_hold_back(group, dead_expiry)
+                event("the drain waited on a dead peer's report")
                 self._tick(0.5)
         newest = self._newest()
         assert newest.cursor.data_epoch == epoch + 1, "the data epoch did not close"
