@@ -1,12 +1,14 @@
 """`node snapshot ls|inspect|verify|export|import` and the refusals of `--resume-from` (bad snapshot, bad --set)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from swarmrun.node.join import initial_state, make_spec
 from swarmrun.node.snapshot import SnapshotStore
+from swarmrun.node.snapshot_cli import run_command
 from swarmrun.node.snapshot_peer import apply_resume, plan_resume
 from swarmrun.node.swarm import ensure_identity, public_key_bytes
 from swarmrun.node.tasks.synthetic import SyntheticTask
@@ -16,6 +18,16 @@ from swarmrun.protocol.spec import SignedSpec
 from tests.swarm_helpers import run_cli
 
 pytestmark = pytest.mark.e2e
+
+
+class Recorder:
+    json_mode = True
+
+    def __init__(self):
+        self.events = []
+
+    def emit(self, event, **fields):
+        self.events.append(dict(event=event, **fields))
 
 
 def json_lines(result):
@@ -52,7 +64,9 @@ def test_ls_inspect_verify_and_a_corrupt_chunk(tmp_path):
     assert lines[0]["manifest_hash"] == m.manifest_hash()
     assert lines[0]["cursor"]["blocks_applied"] == 0 and lines[0]["spec"]["run_id"] == "cli-run"
     assert lines[0]["spec"]["hparams"]["total_steps"] == 20 and lines[0]["spec_hash"] == spec.spec_hash()
-    assert run_cli("snapshot", "verify", url, timeout=60).returncode == 0
+    verified = Recorder()  # in-process (each `node` process costs seconds of imports): a clean store verifies
+    assert run_command(SimpleNamespace(command="snapshot", snapshot_command="verify", store=url), verified) == 0
+    assert [(e["step"], e["ok"]) for e in verified.events] == [(1, True), (2, True)]
     # flip a byte of a chunk only the newest snapshot holds
     victim = sorted(set(store.read_record(2).manifest.chunks) - set(m.chunks))[0]
     path = tmp_path / "store" / "chunks" / victim
@@ -100,9 +114,11 @@ def test_export_and_import_roundtrip(tmp_path):
     assert torch.equal(tensors["optimizer/0/exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     bad = tmp_path / "bad.pt"
     torch.save({"model": {"nope": torch.zeros(2)}}, bad)
-    refused = run_cli("snapshot", "import", str(bad), "--task", "synthetic", "--to", str(tmp_path / "x"),
-                      "--state-dir", str(tmp_path / "owner"), "--json", timeout=60)
-    assert refused.returncode == 5 and "does not fit" in json_lines(refused)[-1]["message"]
+    args = SimpleNamespace(command="snapshot", snapshot_command="import", checkpoint=str(bad), task="synthetic",
+                           to=str(tmp_path / "x"), run_id=None, sets=[], seed=None, state_dir=str(tmp_path / "owner"))
+    with pytest.raises(IncompatibleState, match="does not fit"):  # exit 5
+        run_command(args, Recorder())
+    assert not (tmp_path / "x").exists()
 
 
 def test_resume_plan_amends_only_as_owner_and_only_hparams(tmp_path):
