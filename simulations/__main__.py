@@ -130,7 +130,6 @@ def _report(args, trace, out) -> int:
 
 
 def _finish(folder: Path, trace, rec, *, cleaned: bool, run_id: str, args, out, interrupted: bool, wall_s: float) -> int:
-    from .baseline import run_baseline
     from .checks import check_all, eval_losses, samples_per_step
     from .report import compare_loss, figures, write_report
 
@@ -139,6 +138,8 @@ def _finish(folder: Path, trace, rec, *, cleaned: bool, run_id: str, args, out, 
     if not args.no_baseline and steps and not interrupted:
         ordered = [steps.get(s) for s in range(1, max(steps) + 1)]
         if None not in ordered:
+            from .baseline import run_baseline  # torch and the task: only when there is a baseline to run
+
             out("sim", message=f"baseline: {len(ordered)} steps in one process")
             baseline = run_baseline(task=trace.task, sets=trace.sets, seed=trace.seed, samples_per_step=ordered,
                                     eval_steps=sorted(eval_losses(rec)))
