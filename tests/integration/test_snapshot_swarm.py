@@ -1,5 +1,5 @@
-"""Real peers on loopback: the owner pauses a 2-peer run (snapshot, every peer leaves), 1 peer resumes it; a
-resumed single peer is bit-identical to a run that never paused."""
+"""Real peers on loopback: the owner pauses a 2-peer run (snapshot, every peer leaves), it resumes elsewhere (one
+peer restarts it, another joins); a resumed single peer is bit-identical to a run that never paused."""
 
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +12,7 @@ from tests.swarm_helpers import Swarm, run_cli
 pytestmark = pytest.mark.integration
 
 
-def test_owner_pauses_two_peers_and_one_peer_resumes(tmp_path):
+def test_owner_pauses_two_peers_and_the_run_resumes_elsewhere(tmp_path):
     store = tmp_path / "store"
     common = ("--matchmaking-time", "1.0", "--snapshot-to", str(store), "--snapshot-every", "1000")
     with Swarm(tmp_path, "paused-run") as swarm:
@@ -38,14 +38,20 @@ def test_owner_pauses_two_peers_and_one_peer_resumes(tmp_path):
         snap = SnapshotStore(str(store)).load()  # the newest complete snapshot, every chunk verified
         assert snap.frozen.step == event["step"] and snap.frozen.manifest.state_hash() == event["state_hash"]
 
-        swarm.create("r", "--resume-from", str(store), "--max-steps", str(event["step"] + 2))
+        # the first peer restarts the run from the store, another joins it: 2 peers again, elsewhere
+        swarm.create("r", "--resume-from", str(store), "--min-peers", "2", "--max-steps", str(event["step"] + 2),
+                     "--matchmaking-time", "1.0")
         resumed = swarm.wait_for("r", "resumed", timeout=60)
         assert (resumed["step"], resumed["state_hash"]) == (event["step"], event["state_hash"])
         assert resumed["cursor"] == lefts[0]["cursor"]
-        assert swarm.wait_exit("r", timeout=90) == 0, swarm.log("r")
-        left = swarm.events("r", "left")[0]
-        assert left["step"] == event["step"] + 2 and left["cursor"]["blocks_duplicated"] == 0
-        assert left["cursor"]["blocks_applied"] > lefts[0]["cursor"]["blocks_applied"]
+        swarm.join("r2", "--max-steps", str(event["step"] + 2), "--matchmaking-time", "1.0")
+        for name in ("r", "r2"):
+            assert swarm.wait_exit(name, timeout=120) == 0, swarm.log(name)
+        ends = [swarm.events(n, "left")[0] for n in ("r", "r2")]
+        assert {(e["step"], e["state_hash"]) for e in ends} == {(event["step"] + 2, ends[0]["state_hash"])}
+        assert ends[0]["cursor"]["blocks_duplicated"] == 0
+        assert ends[0]["cursor"]["blocks_applied"] > lefts[0]["cursor"]["blocks_applied"]
+        assert swarm.events("r2", "bootstrapped")[0]["step"] >= event["step"]
 
 
 def test_resumed_single_peer_is_bit_identical_to_an_uninterrupted_run(tmp_path):
