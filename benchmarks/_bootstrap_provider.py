@@ -4,10 +4,11 @@ It builds the benchmark state, freezes it, and serves it three ways at once unti
 - swarmrun: a ``StateServer`` for each provider count ``k`` it takes part in (run ``<base>-k<k>`` for every
   ``k > index``), announced in the DHT with a ``ProviderRecord`` as a trainer does (re-announced every few seconds);
 - the raw ceiling: a binary stream handler that writes any requested byte range of the frozen state in 1 MiB writes;
-- hivemind (``--hivemind``): a ``DecentralizedAverager`` with ``allow_state_sharing=True`` whose
-  ``get_current_state`` returns the live model and optimizer tensors (hivemind's own donor path).
+- hivemind (``--hivemind``, once the driver writes ``donate``): a ``DecentralizedAverager`` with
+  ``allow_state_sharing=True`` whose ``get_current_state`` returns the live model and optimizer tensors
+  (hivemind's own donor path).
 
-Prints one JSON line ``ready`` (peer id, maddrs, manifest and state hash, bytes), then nothing; errors as ``error``.
+Prints JSON lines ``ready`` (peer id, maddrs, manifest and state hash, bytes) and ``donating``; errors as ``error``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-async def serve(opts, dht: DHT, key, frozen, spec_hash: str) -> None:
+async def serve(opts, dht: DHT, key, frozen, spec_hash: str, donate=None) -> None:
+    """Serve until stdin closes; on the line ``donate``, call ``donate`` (start hivemind's donor) and say so."""
     p2p = await dht.replicate_p2p()
     peer_id = dht.peer_id.to_base58()
     subkey = signed_subkey(record_validator(key), peer_id)  # as Trainer: the record is signed by this peer
@@ -89,9 +91,18 @@ async def serve(opts, dht: DHT, key, frozen, spec_hash: str) -> None:
     emit("ready", index=opts.index, peer_id=peer_id, maddrs=[str(m) for m in dht.get_visible_maddrs()],
          manifest_hash=record.manifest_hash, state_hash=record.state_hash, total_bytes=record.total_bytes,
          chunks=len(frozen.manifest.chunks), runs=runs)
-    stdin_closed = asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    while not stdin_closed.done():
-        await asyncio.wait([stdin_closed], timeout=ANNOUNCE_EVERY)
+    loop = asyncio.get_running_loop()
+    line = loop.run_in_executor(None, sys.stdin.readline)
+    while True:
+        await asyncio.wait([line], timeout=ANNOUNCE_EVERY)
+        if line.done():
+            command = line.result().strip()
+            if not command:
+                return  # stdin closed: the driver is done with this provider
+            if command == "donate" and donate is not None:
+                donate()  # in the main thread (it forks hivemind's averager process); nothing is being served yet
+                emit("donating")
+            line = loop.run_in_executor(None, sys.stdin.readline)
         await announce()
 
 
@@ -101,18 +112,29 @@ async def _wait(mpfuture):
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
-    dht = donor = None
+    dht = None
     try:
         state = build_state(hidden=opts.hidden, layers=opts.layers, seed=opts.seed, run_base=opts.run_base,
                             stepped=True)
         frozen = state.freeze(chunk_size=opts.chunk_size)
         dht, key = make_dht(opts.host, opts.initial_peers, Path(opts.state_dir))
-        if opts.hivemind:
+        donors = []
+
+        def donate() -> None:
+            # started once every provider is in the DHT (the driver says when): hivemind declares a donor when it
+            # starts and then every declare_state_period, so a declaration made by a lone first peer could stay
+            # where a joiner's lookup does not look
             names, tensors = live_tensors(state)
             metadata = dict(spec_hash=state.spec_hash, step=state.step, content=frozen.manifest.content)
-            donor = BenchAverager([torch.zeros(1)], dht, names=names, tensors=tensors, metadata=metadata, start=True,
-                          prefix=hivemind_prefix(opts.run_base), allow_state_sharing=True, declare_state_period=10)
-        asyncio.run(serve(opts, dht, key, frozen, state.spec_hash))
+            donors.append(BenchAverager([torch.zeros(1)], dht, names=names, tensors=tensors, metadata=metadata,
+                                        start=True, prefix=hivemind_prefix(opts.run_base), allow_state_sharing=True,
+                                        declare_state_period=10))
+
+        try:
+            asyncio.run(serve(opts, dht, key, frozen, state.spec_hash, donate if opts.hivemind else None))
+        finally:
+            for donor in donors:
+                donor.shutdown()
         return 0
     except KeyboardInterrupt:
         return 130
@@ -120,8 +142,6 @@ def main(argv=None) -> int:
         emit("error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-2000:])
         return 1
     finally:
-        if donor is not None:
-            donor.shutdown()
         if dht is not None:
             dht.shutdown()
 

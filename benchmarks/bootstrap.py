@@ -94,11 +94,13 @@ class Providers:
         hashes = {(r["manifest_hash"], r["state_hash"]) for r in self.ready}
         if len(hashes) != 1:
             raise RunFailed(f"providers built different states: {sorted(hashes)}")
+        self.peers[0].send("donate\n")  # hivemind's donor starts (and declares itself) once the DHT is whole
+        self._wait_ready(self.peers[0], deadline, "donating")
         time.sleep(self.opts.settle)  # provider records re-announced once all providers are in the DHT
 
-    def _wait_ready(self, peer: Peer, deadline: float) -> dict:
+    def _wait_ready(self, peer: Peer, deadline: float, event: str = "ready") -> dict:
         try:
-            return peer.wait_event(("ready",), deadline)
+            return peer.wait_event((event,), deadline)
         except RunFailed as e:
             raise RunFailed(f"{e}; stderr tail: {peer.stderr_tail(800)!r}") from None
 
