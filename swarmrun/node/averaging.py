@@ -9,7 +9,6 @@ its all-reduce into the round of DESIGN.md; ``ExactAllReduceRunner`` is the runn
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Sequence
 
@@ -31,6 +30,7 @@ from . import faults
 from ..protocol.round import ClaimDecision, RoundMeta, check_round_meta, decide_claims
 
 logger = get_logger(__name__)
+SUSPECT_STEPS = 10  # rounds a sender caught with bad gradients is refused in
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,11 @@ class ExactAllReduceRunner(AllReduceRunner):
     """
 
     def __init__(self, *, sender_weights: Sequence[float], tensors: Sequence[torch.Tensor],
-                 round_step: Optional[int] = None, **kwargs):
+                 round_step: Optional[int] = None, declared_norms: Sequence[float] = (), **kwargs):
         super().__init__(tensors=tensors, **kwargs)
         self.round_step = round_step
+        self.declared_norms = tuple(declared_norms)
+        self.bad_senders: list[str] = []
         self.sender_weights = tuple(sender_weights)
         container_kwargs = {k: kwargs[k] for k in ("compression", "part_size_bytes", "tensor_infos") if k in kwargs}
         self.tensor_part_container = TensorPartContainer(
@@ -80,6 +82,16 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.ordered_peer_ids.index(self.peer_id)
         )
         self.weight = self.sender_weights[self.sender_peer_ids.index(self.peer_id)] if self.peer_id in self.sender_peer_ids else 0.0
+
+    def _plausible(self, sender_index: int, part: torch.Tensor) -> bool:
+        """A slice of a sender's gradient is finite and no larger than the whole gradient's declared norm (the
+        weight of a sender is its claimed samples, never a number it declares; its norm bounds what it sends)."""
+        if not bool(torch.isfinite(part).all()):
+            return False
+        if sender_index < len(self.declared_norms):
+            declared = self.declared_norms[sender_index]
+            return declared >= 0 and float(part.float().norm()) <= declared * (1 + 1e-3) + 1e-6
+        return True
 
     @staticmethod
     def _as_sent(part: torch.Tensor, compression) -> torch.Tensor:
@@ -110,6 +122,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                if not self._plausible(sender_index, tensor_part):
+                    self.bad_senders.append(self.sender_peer_ids[sender_index].to_base58())
+                    break  # the finally bans the sender: its parts are not averaged, the round is incomplete
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
@@ -146,23 +161,35 @@ class RoundAverager(DecentralizedAverager):
         dht,
         *,
         spec_hash: str,
+        gate=None,
         **kwargs,
     ):
         self.spec_hash = spec_hash
+        self.gate = gate  # copied into the averager process at its start; revocations follow through prepare_round
+        self._suspects: dict[str, int] = {}  # senders caught with bad gradient slices -> step until which refused
         self._round_step: Optional[int] = None
         self._round_cursor: Optional[DataCursor] = None
         super().__init__(averaged_tensors, dht, **kwargs)
 
     # ---- runs in the averager process ---------------------------------------------------------------
-    def prepare_round(self, step: int, cursor: DataCursor) -> None:
+    def prepare_round(self, step: int, cursor: DataCursor, revocations=None) -> None:
         """Tell the averager process which step the next round is for and the cursor its claims are
         decided against. hivemind's control pipe is the only channel into that process; its messages are
         handled in order, so this arrives before the ``step()`` call that follows it."""
-        self._outer_pipe.send(("_set_round_context", [step, cursor.to_dict()], {}))
+        encoded = revocations.encode() if revocations is not None else None
+        self._outer_pipe.send(("_set_round_context", [step, cursor.to_dict(), encoded], {}))
 
-    async def _set_round_context(self, step: int, cursor: dict) -> None:
+    async def _set_round_context(self, step: int, cursor: dict, revocations: Optional[bytes] = None) -> None:
+        if self._round_step is None:
+            from .transfer import _quiet_dropped_streams
+
+            _quiet_dropped_streams(asyncio.get_running_loop())  # this process's loop too
         self._round_step = step
         self._round_cursor = DataCursor.from_dict(cursor)
+        if revocations is not None and self.gate is not None:
+            from ..protocol.access import Revocations
+
+            self.gate.revocations = Revocations.decode(revocations)  # verified by the host process
         # peers at different steps must never meet: the group key carries the step (as its group bits; the key's
         # prefix must stay, hivemind derives the state-download key from it)
         self._matchmaking.group_key_manager.group_bits = format(step, "040b")
@@ -176,8 +203,7 @@ class RoundAverager(DecentralizedAverager):
             if self._round_step is None:
                 rejection = "not in a round"
             else:
-                found = check_round_meta(meta, spec_hash=self.spec_hash, step=self._round_step)
-                rejection = str(found) if found else None
+                rejection = self._admission(context.remote_id.to_base58(), meta)
         except ProtocolError as e:
             rejection = f"malformed metadata: {e}"
         if rejection is not None:
@@ -187,6 +213,20 @@ class RoundAverager(DecentralizedAverager):
         async for message in super().rpc_join_group(request, context):
             yield message
 
+    def _admission(self, peer: str, meta: RoundMeta) -> Optional[str]:
+        """Who may be in this round (before any tensor moves): the run's spec and step, access (certificate for
+        this very peer id, which libp2p authenticated), and not a sender caught with bad gradients lately."""
+        found = check_round_meta(meta, spec_hash=self.spec_hash, step=self._round_step)
+        if found is not None:
+            return str(found)
+        if self.gate is not None:
+            refused = self.gate.check(peer, meta.certificate)
+            if refused is not None:
+                return f"access: {refused}"
+        if self._suspects.get(peer, -1) >= (self._round_step or 0):
+            return "sent gradients that did not match its declared norm in a recent round"
+        return None
+
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         peer_ids = tuple(p.to_base58() for p in group_info.peer_ids)
         try:
@@ -194,7 +234,7 @@ class RoundAverager(DecentralizedAverager):
         except ProtocolError as e:
             raise_matchmaking(f"malformed metadata in group: {e}")
         for peer, meta in zip(peer_ids, metas):
-            found = check_round_meta(meta, spec_hash=self.spec_hash, step=self._round_step)
+            found = self._admission(peer, meta)
             if found is not None:
                 raise_matchmaking(f"group member {peer[-6:]} refused: {found}")
         modes = tuple(AveragingMode(unpack(blob)[1]) for blob in group_info.gathered)
@@ -206,18 +246,30 @@ class RoundAverager(DecentralizedAverager):
         kwargs.pop("weight", None)
         try:
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                runner = await self._run_exact_allreduce(local_tensors, group_info, fractions, sender_weights, **kwargs)
+                declared = [m.grad_norm for m, mode in zip(metas, modes) if mode != AveragingMode.AUX]
+                runner = await self._run_exact_allreduce(local_tensors, group_info, fractions, sender_weights,
+                                                         declared_norms=declared, **kwargs)
         except Exception as e:  # a failed peer, a timeout, a protocol error: the round is incomplete
             logger.debug(f"all-reduce failed: {e!r}", exc_info=True)
+            self._note_bad_senders()
             return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, f"all-reduce failed: {e!r}")
         failed = runner.tensor_part_container.failed_size
+        self._note_bad_senders()
         banned = sorted(p.to_base58()[-6:] for p in runner.banned_senders)
         if failed or banned:
             reason = f"{failed} values not averaged by their reducer; banned senders {banned}"
             return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, reason)
         return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, True)
 
-    async def _run_exact_allreduce(self, tensors, group_info, fractions, sender_weights, **kwargs):
+    def _note_bad_senders(self) -> None:
+        """Senders the last runner caught with bad gradients are refused in the next rounds (this one is
+        incomplete already: their parts were not averaged)."""
+        runner, self._last_runner = getattr(self, "_last_runner", None), None
+        for peer in runner.bad_senders if runner is not None else ():
+            self._suspects[peer] = (self._round_step or 0) + SUSPECT_STEPS
+            logger.warning(f"sender {peer} sent a gradient slice that is not finite or exceeds its declared norm")
+
+    async def _run_exact_allreduce(self, tensors, group_info, fractions, sender_weights, declared_norms=(), **kwargs):
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -227,9 +279,11 @@ class RoundAverager(DecentralizedAverager):
             ordered_peer_ids=group_info.peer_ids,
             peer_fractions=fractions,
             sender_weights=sender_weights,
+            declared_norms=declared_norms,
             round_step=self._round_step,
             **kwargs,
         )
+        self._last_runner = runner
         assert group_info.group_id in self._running_groups, "group was not registered"
         self._running_groups[group_info.group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:

@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="every N steps, N minutes or seconds, or auto: Young/Daly from the measured cost and "
                         "the observed failure rate (default)")
     j.add_argument("--snapshot-keep", type=int, default=3, metavar="K", help="keep the last K snapshots (default 3)")
+    j.add_argument("--access", default="open", choices=("open", "invite"),
+                   help="a new run's access policy: open (anyone who knows it; default) or invite (certificates "
+                        "signed by the owner: `node invite`)")
+    j.add_argument("--invite", default=None, metavar="FILE", help="this peer's certificate for an invite-only run")
     j.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
     j.add_argument("-v", "--verbose", action="store_true", help="debug logs, hivemind's included")
 
@@ -54,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     k.add_argument("run_id", metavar="RUN_ID", help="the run to keep")
     _swarm_args(k)
+    k.add_argument("--invite", default=None, metavar="FILE", help="this peer's certificate for an invite-only run")
     k.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
     k.add_argument("-v", "--verbose", action="store_true", help="debug logs, hivemind's included")
 
@@ -76,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     from .snapshot_cli import add_parsers
 
     add_parsers(sub, epilog=EXIT_CODES, swarm_args=_swarm_args)
+    from .access_cli import add_parsers as add_access_parsers
+
+    add_access_parsers(sub, epilog=EXIT_CODES, swarm_args=_swarm_args)
     return p
 
 
@@ -104,6 +112,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "join":
             return _join(args, events)
+        if args.command in ("invite", "identity"):
+            from .access_cli import run_command as run_access_command
+
+            return run_access_command(args, events)
         if args.command == "keep":
             return _keep(args, events)
         if args.command == "demo":
@@ -194,7 +206,7 @@ def _join(args, events) -> int:
         snapshot = SnapshotOptions(store=args.snapshot_to, every=args.snapshot_every, keep=args.snapshot_keep)
     opts = JoinOptions(
         resume_from=args.resume_from, snapshot=snapshot,
-        run_id=args.run_id, task=args.task, sets=parse_sets(args.sets),
+        run_id=args.run_id, task=args.task, sets=parse_sets(args.sets), access=args.access, invite=args.invite,
         seed=args.seed if args.seed is not None else DEFAULT_SEED, swarm=swarm_config(args),
         trainer=TrainerConfig(batch_size=args.batch_size, device=args.device, max_steps=args.max_steps,
                               matchmaking_time=args.matchmaking_time, min_peers=args.min_peers),
@@ -212,7 +224,8 @@ def _keep(args, events) -> int:
     config = swarm_config(args)
     if not config.initial_peers:
         raise UsageError("give --peers MADDR (or SWARMRUN_PEERS) of a peer of the run to keep")
-    opts = JoinOptions(run_id=args.run_id, swarm=config, trainer=TrainerConfig(role=Role.KEEPER, device="cpu"))
+    opts = JoinOptions(run_id=args.run_id, swarm=config, trainer=TrainerConfig(role=Role.KEEPER, device="cpu"),
+                       invite=args.invite)
     _run_async(run_peer(opts, events))
     return 0
 

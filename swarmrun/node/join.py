@@ -26,6 +26,8 @@ from .output import Events, set_log_context
 from .state import RunState
 from .swarm import SwarmConfig, public_key_bytes, start_dht, verify_signature
 from .task import Task, TaskError, load_task_class
+from ..protocol.access import MAX_TTL, Certificate
+from .access import AccessGate, read_certificate_file
 from .trainer import Trainer, TrainerConfig, _await, read_providers, read_view
 
 logger = logging.getLogger("swarmrun.join")
@@ -45,6 +47,8 @@ class JoinOptions:
     resolve_timeout: float = 8.0  # how long to look for an existing run's spec
     resume_from: Optional[str] = None  # STORE[@STEP]: restart the run from a snapshot
     snapshot: Optional["SnapshotOptions"] = None  # --snapshot-to STORE ...
+    access: str = "open"  # a new run's access policy: open or invite
+    invite: Optional[str] = None  # a file with this peer's certificate (`node invite` output)
 
 
 def check_run_id(run_id: str) -> str:
@@ -73,7 +77,8 @@ def resolve_device(name: str) -> str:
     raise UsageError(f"--device must be cpu, cuda, cuda:N or auto, not {name!r}")
 
 
-def make_spec(*, run_id: str, task_cls: type[Task], sets: Mapping[str, str], seed: int, owner_key: bytes) -> tuple[Spec, Task]:
+def make_spec(*, run_id: str, task_cls: type[Task], sets: Mapping[str, str], seed: int, owner_key: bytes,
+              access: str = "open") -> tuple[Spec, Task]:
     """A new run's spec from ``--set key=value`` pairs (task arguments and hyperparameters).
 
     Raises:
@@ -97,7 +102,7 @@ def make_spec(*, run_id: str, task_cls: type[Task], sets: Mapping[str, str], see
             raise UsageError(f"{key} must be positive, got {hparams[key]}")
     spec = Spec(run_id=run_id, task=task_cls.name, task_version=task_cls.version, task_args=dict(task.args),
                 hparams=hparams, seed=seed, data_fingerprint=task.data_fingerprint(),
-                num_examples=task.num_examples(), owner_key=owner_key, created_at=time.time())
+                num_examples=task.num_examples(), owner_key=owner_key, access=access, created_at=time.time())
     return spec, task
 
 
@@ -190,6 +195,11 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
     if not creating and not resuming and not opts.swarm.initial_peers:
         raise UsageError("give --task NAME to create a new run, --resume-from STORE to restart one from a snapshot, "
                          "or --peers MADDR (or SWARMRUN_PEERS) to join one")
+    credentials = read_certificate_file(opts.invite) if opts.invite else None
+    if opts.access not in ("open", "invite"):
+        raise UsageError(f"--access must be open or invite, got {opts.access!r}")
+    if opts.access != "open" and not creating:
+        raise UsageError("--access applies to a new run (with --task); a run keeps the policy it was created with")
     if opts.snapshot is not None:
         opts.snapshot.policy()  # a bad --snapshot-every or --snapshot-keep fails before anything starts
     plan = None
@@ -213,7 +223,7 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
             if opts.swarm.initial_peers and await fetch_spec(dht, opts.run_id, timeout=2.0) is not None:
                 raise UsageError(f"run {opts.run_id!r} already exists at the given peers: join it without --task")
             spec, task = make_spec(run_id=opts.run_id, task_cls=task_cls, sets=opts.sets, seed=opts.seed,
-                                   owner_key=public_key_bytes(key))
+                                   owner_key=public_key_bytes(key), access=opts.access)
             signed = SignedSpec.sign(spec, key.sign)
         elif resuming:
             if opts.swarm.initial_peers and await fetch_spec(dht, opts.run_id, timeout=2.0) is not None:
@@ -235,7 +245,15 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
         expected_cursor = state.cursor  # counts this machine's data: what a received state's cursor must count
         if plan is not None:
             apply_resume(state, plan)
-        trainer = Trainer(spec=spec, task=task, dht=dht, state=state, events=events, identity=key,
+        gate = AccessGate(spec, credentials=credentials)
+        if spec.access != "open":
+            if spec.owner_key == public_key_bytes(key) and credentials is None:
+                # the owner admits itself: it signs its own certificate
+                gate.credentials = credentials = Certificate.issue(run_id=spec.run_id, peer_id=peer_id, now=time.time(),
+                                                                   ttl=MAX_TTL, signer=key.sign).encode()
+            await gate.refresh(dht)
+            gate.check_self(peer_id)  # exit 4 with the reason before anything else
+        trainer = Trainer(spec=spec, task=task, dht=dht, state=state, events=events, identity=key, gate=gate,
                           config=_with_device(opts.trainer, device))
         events.emit("listening", run_id=spec.run_id, peer_id=peer_id,
                     maddrs=[str(m) for m in dht.get_visible_maddrs()], spec_hash=spec.spec_hash(),

@@ -151,7 +151,9 @@ class RunState:
         sched = self.scheduler.state_dict()  # keeps what is not state (lr_lambdas: functions of the task)
         sched.update(content["scheduler"])
         self.scheduler.load_state_dict(sched)
-        self.cursor = DataCursor.from_dict(content["cursor"])
+        received = DataCursor.from_dict(content["cursor"])
+        received.check_same_data(self.cursor)  # a state must count this machine's data (size, fingerprint, seed)
+        self.cursor = received
         self.step = manifest.step
 
 

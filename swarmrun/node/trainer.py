@@ -44,6 +44,7 @@ from ..protocol.spec import Spec
 from ..protocol.transfer import Choice, ProviderRecord, choose_state, log_sources, providers_key
 from .averaging import RoundAverager, RoundOutcome
 from .output import Events, set_log_context
+from .access import AccessGate
 from .swarm import record_validator, signed_subkey, subkey_owner
 from .state import FrozenState, RunState, digest_tensors
 from .transfer import Fetcher, StateServer, admit_open, make_step_record, read_step_record
@@ -86,9 +87,11 @@ class Trainer:
     """
 
     def __init__(self, *, spec: Spec, task: Task, dht: DHT, state: RunState, events: Events, config: TrainerConfig,
-                 identity: RSAPrivateKey):
+                 identity: RSAPrivateKey, gate: Optional[AccessGate] = None):
         self.spec, self.task, self.dht, self.state, self.events, self.config = spec, task, dht, state, events, config
-        # provider records are signed with the peer's identity (its p2pd key): no one announces in its name
+        self.gate = gate if gate is not None else AccessGate(spec)
+        # this peer's DHT records (progress, votes, provider records) are signed with its identity (its p2pd key):
+        # no one writes in its name
         self._provider_subkey = signed_subkey(record_validator(identity), dht.peer_id.to_base58())
         self.device = torch.device(config.device)
         self.peer_id = dht.peer_id.to_base58()
@@ -117,6 +120,7 @@ class Trainer:
             averaged,
             dht,
             spec_hash=spec.spec_hash(),
+            gate=self.gate,
             prefix=f"swarmrun_{spec.run_id}",
             start=True,
             min_matchmaking_time=config.matchmaking_time,
@@ -143,11 +147,12 @@ class Trainer:
         if self.server is not None:
             return
         p2p = await self.dht.replicate_p2p()
-        admit = admit_open(self.spec.spec_hash())
+        admit = admit_open(self.spec.spec_hash(), self.gate)
         self.server = StateServer(p2p, self.spec.run_id, admit)
         await self.server.start()
         self.server.publish_state(self.frozen)
-        self.fetcher = Fetcher(p2p, self.spec.run_id, self.spec.spec_hash(), chunk_timeout=self.config.next_chunk_timeout * 5)
+        self.fetcher = Fetcher(p2p, self.spec.run_id, self.spec.spec_hash(), chunk_timeout=self.config.next_chunk_timeout * 5,
+                               credentials=self.gate.credentials)
 
     def _publish(self) -> None:
         if self.server is not None:
@@ -204,6 +209,8 @@ class Trainer:
             return "max_steps"
         if self.stop_requested.is_set():
             return "stopped"
+        if self.spec.access != "open":
+            self.gate.check_self(self.peer_id)  # revoked or expired: leave with exit code 4 and the reason
         if self._behind():
             await self.resync()
         elif self.config.role == Role.KEEPER:
@@ -276,7 +283,8 @@ class Trainer:
     # ---- the round -----------------------------------------------------------------------------------
     def _meta(self) -> RoundMeta:
         return RoundMeta(spec_hash=self.spec.spec_hash(), step=self.state.step, samples=self.samples,
-                         blocks=self.claimed, data_epoch=self.state.cursor.data_epoch, grad_norm=self._grad_norm())
+                         blocks=self.claimed, data_epoch=self.state.cursor.data_epoch, grad_norm=self._grad_norm(),
+                         certificate=self.gate.credentials or b"")
 
     def _grad_norm(self) -> float:
         norms = [p.grad.detach().float().norm() for p in self.params if p.grad is not None]
@@ -299,7 +307,7 @@ class Trainer:
                     buf.zero_()
                 else:
                     buf.copy_(p.grad.detach().float().cpu() / max(1, self.samples))
-        self.averager.prepare_round(self.state.step, self.state.cursor)
+        self.averager.prepare_round(self.state.step, self.state.cursor, self.gate.revocations)
         t0 = time.perf_counter()
         try:
             control = self.averager.step(gather=meta.encode(), weight=float(max(self.samples, 1)),
@@ -331,7 +339,7 @@ class Trainer:
         reason = outcome.reason if not outcome.complete else ("" if finite else "averaged gradient is not finite")
         mine = Vote(step=self.state.step, group_id=outcome.group_id.hex(), grad_hash=grad_hash, ok=ok, reason=reason)
         key = vote_key(self.spec.run_id, self.state.step)
-        await _await(self.dht.store(key, subkey=self.peer_id, value=mine.encode(),
+        await _await(self.dht.store(key, subkey=self._provider_subkey, value=mine.encode(),
                                     expiration_time=get_dht_time() + 120, return_future=True))
         deadline = time.monotonic() + self.config.vote_timeout
         votes: dict[str, Vote] = {}
@@ -349,7 +357,7 @@ class Trainer:
         return decision, claims
 
     async def _read_votes(self, key: str) -> dict[str, Vote]:
-        return await read_subkeys(self.dht, key, Vote.decode)
+        return await read_subkeys(self.dht, key, Vote.decode, signed=True)
 
     def _abandon(self, reason: str) -> None:
         self.stats["rounds_abandoned"] += 1
@@ -554,6 +562,7 @@ class Trainer:
         return ProgressReport(step=self.state.step, samples=self.samples, samples_per_second=self.samples_per_second,
                               role=self.config.role, state_hash=self.state_hash, time=get_dht_time(),
                               finished=self.finished or self.state.step >= self.spec.total_steps,
+                              certificate=self.gate.credentials or b"",
                               claimed=RangeSet() if leaving else self.claimed, data_epoch=self.state.cursor.data_epoch,
                               cursor=self.state.cursor.summary())
 
@@ -574,23 +583,27 @@ class Trainer:
             except Exception as e:
                 logger.debug(f"could not announce the served state: {e!r}")
         try:
-            await _await(self.dht.store(progress_key(self.spec.run_id), subkey=self.peer_id,
+            await _await(self.dht.store(progress_key(self.spec.run_id), subkey=self._provider_subkey,
                                         value=self._report().encode(),
                                         expiration_time=get_dht_time() + self.config.report_ttl, return_future=True))
         except Exception as e:
             logger.debug(f"could not publish progress: {e!r}")
 
     async def _refresh_view(self) -> None:
-        self.view = await read_view(self.dht, self.spec.run_id)
+        self.view = await read_view(self.dht, self.spec.run_id, self.gate)
         reports = dict(self.view.reports)
         reports[self.peer_id] = self._report()
         self.view = SwarmView(reports=reports)
 
     async def _report_forever(self) -> None:
+        last_refresh = 0.0
         while True:
             await self._publish_report()
             try:
                 await self._refresh_view()
+                if self.spec.access != "open" and time.monotonic() - last_refresh > 5.0:
+                    await self.gate.refresh(self.dht)  # the owner's revocations
+                    last_refresh = time.monotonic()
             except Exception as e:
                 logger.debug(f"could not read progress: {e!r}")
             if self.config.role == Role.TRAINER and self.state.step > 0:
@@ -611,22 +624,32 @@ class Trainer:
             logger.debug(f"averager shutdown: {e!r}")
 
 
-async def read_subkeys(dht: DHT, key: str, decode) -> dict:
-    """The decoded values of a DHT key's subkeys, by subkey (malformed ones are ignored)."""
+async def read_subkeys(dht: DHT, key: str, decode, *, signed: bool = False) -> dict:
+    """The decoded values of a DHT key's subkeys, by peer id (malformed ones are ignored). ``signed``: only records
+    signed by the peer their subkey names (progress reports, votes)."""
     found = await _await(dht.get(key, latest=True, return_future=True))
     out = {}
     if found is not None and isinstance(found.value, dict):
         for subkey, item in found.value.items():
+            owner = subkey_owner(subkey)
+            if owner is None and not signed and isinstance(subkey, str):
+                owner = subkey
+            if owner is None:
+                continue
             try:
-                out[str(subkey)] = decode(item.value)
+                out[owner] = decode(item.value)
             except (ProtocolError, AttributeError, TypeError):
                 continue
     return out
 
 
-async def read_view(dht: DHT, run_id: str) -> SwarmView:
-    """The live progress reports of a run, by peer id (malformed ones are ignored)."""
-    return SwarmView(reports=await read_subkeys(dht, progress_key(run_id), ProgressReport.decode))
+async def read_view(dht: DHT, run_id: str, gate: Optional[AccessGate] = None) -> SwarmView:
+    """The live progress reports of a run, by peer id: signed by that peer and, in an invite-only run, carrying a
+    certificate the gate admits (a report from anyone else is not part of the run)."""
+    reports = await read_subkeys(dht, progress_key(run_id), ProgressReport.decode, signed=True)
+    if gate is not None and gate.spec.access != "open":
+        reports = {p: r for p, r in reports.items() if gate.check(p, r.certificate) is None}
+    return SwarmView(reports=reports)
 
 
 async def read_providers(dht: DHT, run_id: str) -> dict[str, ProviderRecord]:

@@ -44,14 +44,14 @@ logger = logging.getLogger("swarmrun.transfer")
 Admit = Callable[[Open, str], Optional[str]]  # (request, remote peer id) -> refusal reason, or None to admit
 
 
-def admit_open(spec_hash: str) -> Admit:
-    """The one admission check of state serving: the requester names this run's spec. The access policy
-    (certificates in ``Open.credentials``) plugs in here, for serving and fetching alike."""
+def admit_open(spec_hash: str, gate=None) -> Admit:
+    """The one admission check of state serving: the requester names this run's spec and, through the access
+    gate (``node.access.AccessGate``), holds a valid certificate for its peer id (authenticated by libp2p)."""
 
     def admit(request: Open, remote: str) -> Optional[str]:
         if request.spec_hash != spec_hash:
             return "another run's spec"
-        return None
+        return gate.check(remote, request.credentials) if gate is not None else None
 
     return admit
 

@@ -292,9 +292,12 @@ class ProgressReport:
     data_epoch: int = 0
     # the reporter's data accounting at ``step`` (DataCursor.summary()); None from a peer that sends none
     cursor: Optional[Mapping[str, int]] = None
+    certificate: bytes = b""  # the reporter's access certificate (invite-only runs)
 
     def encode(self) -> bytes:
         extra = {"cursor": dict(self.cursor)} if self.cursor is not None else {}
+        if self.certificate:
+            extra["certificate"] = self.certificate
         return pack(dict(type="progress", version=ROUND_VERSION, step=self.step, samples=self.samples,
                          sps=self.samples_per_second, role=self.role.value, state_hash=self.state_hash,
                          time=self.time, maddrs=list(self.maddrs[:8]), finished=self.finished,
@@ -313,7 +316,14 @@ class ProgressReport:
                    role=Role(d["role"]), state_hash=_str(d, "state_hash", 128), time=_float(d, "time"),
                    maddrs=tuple(maddrs), finished=d.get("finished", False),
                    claimed=RangeSet.from_list(d.get("claimed", [])), data_epoch=_int(d, "data_epoch"),
-                   cursor=_summary(d["cursor"]) if "cursor" in d else None)
+                   cursor=_summary(d["cursor"]) if "cursor" in d else None,
+                   certificate=_bytes(d, "certificate", 8192) if "certificate" in d else b"")
+
+
+def _bytes(d: Mapping, key: str, max_len: int) -> bytes:
+    v = d.get(key)
+    _require(isinstance(v, bytes) and len(v) <= max_len, f"{key} must be at most {max_len} bytes")
+    return v
 
 
 def _summary(d: object) -> dict[str, int]:

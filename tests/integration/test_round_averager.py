@@ -1,6 +1,7 @@
 """The round on real hivemind averagers on loopback: exact, sample-weighted, identical bits everywhere."""
 
 import concurrent.futures
+import dataclasses
 
 import pytest
 import torch
@@ -37,8 +38,16 @@ def two_averagers():
             obj.shutdown()
 
 
+def declared(avg, meta: RoundMeta) -> RoundMeta:
+    """The meta an honest peer sends: with the norm of what it averages."""
+    with avg.get_tensors() as tensors:
+        norm = float(torch.cat([t.flatten() for t in tensors]).norm())
+    return dataclasses.replace(meta, grad_norm=norm)
+
+
 def run_round(averagers, metas, cursor):
     controls = []
+    metas = [declared(avg, meta) if meta.grad_norm == 0 else meta for avg, meta in zip(averagers, metas)]
     for avg, meta in zip(averagers, metas):
         avg.prepare_round(meta.step, cursor)
         controls.append(avg.step(gather=meta.encode(), weight=1.0, timeout=30, wait=False))
@@ -88,3 +97,50 @@ def test_a_participant_at_another_step_is_refused_before_any_tensor_moves(two_av
     for avg, old in zip(two_averagers, before):
         with avg.get_tensors() as tensors:
             assert all(torch.equal(t, o) for t, o in zip(tensors, old))
+
+
+def test_a_sender_exceeding_its_declared_norm_is_dropped_and_refused_next(two_averagers):
+    """A hostile sender declares a small gradient norm and sends huge values: reducers drop it, the round is
+    incomplete (nobody commits it), and the next rounds refuse the sender before any tensor moves."""
+    cursor = DataCursor.new(seed=1, num_examples=64, block_size=4)
+    honest, hostile = two_averagers
+    with hostile.get_tensors() as tensors:
+        for t in tensors:
+            t.mul_(1e6)
+    metas = [declared(honest, RoundMeta(spec_hash=SPEC_HASH, step=3, samples=4, blocks=RangeSet.from_items([0]),
+                                        data_epoch=0)),
+             RoundMeta(spec_hash=SPEC_HASH, step=3, samples=4, blocks=RangeSet.from_items([1]), data_epoch=0,
+                       grad_norm=1.0)]
+    outcomes = run_round(two_averagers, metas, cursor)
+    assert not any(o.complete for o in outcomes), outcomes
+    with honest.get_tensors() as tensors:
+        kept = [t.clone() for t in tensors]
+    controls = []
+    for avg, meta in zip(two_averagers, metas):
+        avg.prepare_round(4, cursor)
+        controls.append(avg.step(gather=dataclasses.replace(meta, step=4).encode(), weight=1.0, timeout=4, wait=False,
+                                 allow_retries=False))
+    # the suspect is refused at admission in the next rounds: the honest peer ends in no group (it raises), or the
+    # suspect's own group is incomplete; no tensor of the honest peer moved
+    with pytest.raises(Exception):
+        controls[0].result(timeout=20)
+    try:
+        assert not controls[1].result(timeout=20).complete
+    except AssertionError:
+        raise
+    except Exception:
+        pass
+    with honest.get_tensors() as tensors:
+        assert all(torch.equal(t, k) for t, k in zip(tensors, kept))
+
+
+def test_a_non_finite_sender_is_dropped(two_averagers):
+    cursor = DataCursor.new(seed=1, num_examples=64, block_size=4)
+    honest, hostile = two_averagers
+    with hostile.get_tensors() as tensors:
+        tensors[0][3] = float("nan")
+    metas = [declared(avg, RoundMeta(spec_hash=SPEC_HASH, step=1, samples=4, blocks=RangeSet.from_items([b]),
+                                     data_epoch=0)) for avg, b in zip(two_averagers, (0, 1))]
+    metas[1] = dataclasses.replace(metas[1], grad_norm=10.0)  # NaN norm is not a number it can declare
+    outcomes = run_round(two_averagers, metas, cursor)
+    assert not any(o.complete for o in outcomes), outcomes
