@@ -242,9 +242,8 @@ class Simulation:
             return
         cmd = [sys.executable, "-m", "swarmrun.node.cli", "pause", self.run_id, "--peers", *peers,
                "--state-dir", str(self.state_root / "peer0"), "--to", str(self.store), "--json"]
-        prefix = []  # the pause client runs in the root namespace: the bridge reaches every peer
-        log = open(self.logs / "pause.log", "ab")
-        self.pause_proc = subprocess.Popen([*prefix, *cmd], stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+        log = open(self.logs / "pause.log", "ab")  # the client runs in the root namespace: the bridge reaches every peer
+        self.pause_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
         self.pause_event = ev
         self.holding = True
         self.fault("pause", None, resume_after=ev.duration, resume_peers=ev.peers)
