@@ -122,6 +122,7 @@ def joiners_reach_current_step(rec: Record) -> tuple[bool, list[str], list[dict]
     Returns (ok, problems, one row per joiner for the report)."""
     final = max([int(e["step"]) for _, _, e in rec.of(*STATE_EVENTS) if e.get("step") is not None], default=0)
     problems, rows = [], []
+    left = {k: t for t, k, _ in rec.of("left")}  # a peer that printed `left` serves no more
     for life in rec.lives.values():
         if life.initial or life.resumed:
             continue
@@ -136,8 +137,9 @@ def joiners_reach_current_step(rec: Record) -> tuple[bool, list[str], list[dict]
         row["last_step"] = last
         rows.append(row)
         if boot is None:
-            end = life.end if life.end is not None else rec.end
-            providers = [k for k in holders if rec.lives[k].alive_at(end - 1e-6)] if start_step > 0 else []
+            end = (life.end if life.end is not None else rec.end) - 1e-6
+            providers = [k for k in holders if rec.lives[k].alive_at(end) and left.get(k, end + 1) > end] \
+                if start_step > 0 else []
             if life.ended_by == "exit" and providers:  # it gave up (an error) while the state it needed was served
                 problems.append(f"{life.key} exited without bootstrapping while {providers[0]} held step {start_step}")
             elif life.ended_by == "finished" and start_step < final:

@@ -80,6 +80,9 @@ def test_a_joiner_that_never_bootstraps_fails_and_a_killed_one_is_exempt():
     rec.lives["peer2.0"].ended_by = "exit"  # it gave up on its own while peer0 and peer1 served step 2
     ok, problems, _ = joiners_reach_current_step(rec)
     assert not ok and "exited without bootstrapping" in problems[0]
+    for t, key in ((5.2, "peer0.0"), (5.3, "peer1.0")):  # ...unless they had left: the run was over for it
+        rec.events.append((t, key, {"event": "left", "reason": "finished", "step": 2, "state_hash": "b"}))
+    assert joiners_reach_current_step(rec)[0]
 
 
 def test_cursor_and_finish_and_cleanup_invariants():
