@@ -31,7 +31,11 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
         signed = await fetch_spec(dht, run_id, timeout=timeout)
         if signed is None:
             raise RunNotFound(f"run {run_id!r} was not found at the given peers")
-        view = await read_view(dht, run_id)
+        from .access import AccessGate
+
+        gate = AccessGate(signed.spec)  # in an invite-only run, reports without a valid certificate are not its peers'
+        await gate.refresh(dht)
+        view = await read_view(dht, run_id, gate)
         now = get_dht_time()
         peers = [dict(peer_id=p, role=r.role.value, step=r.step, samples=r.samples,
                       samples_per_second=round(r.samples_per_second, 2), state_hash=r.state_hash,
