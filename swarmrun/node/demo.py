@@ -82,6 +82,11 @@ def run_demo(args, events) -> int:
     peers: list[PeerProcess] = []
     sink: queue.Queue = queue.Queue()
     summary = dict(run_id=run_id, task=args.task, peers=args.peers, peers_killed=0, peers_joined=0)
+
+    def on_sigterm(signum, frame):  # a SIGTERM ends the demo like Ctrl-C: its peers are stopped in the finally
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         common = ["--device", "cpu", "--matchmaking-time", "1.0"]
         creator = start_peer("peer0", [run_id, "--task", args.task, *sum((["--set", s] for s in sets), []),

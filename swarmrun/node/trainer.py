@@ -11,7 +11,6 @@ import hashlib
 import logging
 import math
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -98,7 +97,6 @@ class Trainer:
         self.params = [p for p in state.model.parameters()]
         self.samples = 0  # samples accumulated toward the next step
         self.claimed = RangeSet()  # blocks whose gradients are in the accumulator
-        self.walk = zlib.crc32(self.peer_id.encode()) % max(1, state.cursor.num_blocks)
         self.view = SwarmView(reports={})
         self.stop_requested = asyncio.Event()
         self.finished = False
@@ -244,8 +242,11 @@ class Trainer:
         count = max(1, math.ceil(self.config.batch_size / cursor.block_size))
         leased = self.view.leased(me=self.peer_id, step=self.state.step, data_epoch=cursor.data_epoch)
         members = sorted(set(self.view.trainers) | {self.peer_id})
-        return pick_blocks(cursor, count, member=members.index(self.peer_id), members=len(members),
-                           exclude=self.claimed.add(leased), salt=self.walk)
+        me = members.index(self.peer_id)
+        # the fallback walk starts at this member's share of the order: apart from the others', and independent
+        # of the peer's identity (a run resumed on one peer takes the same blocks as one that never paused)
+        salt = me * cursor.num_blocks // len(members)
+        return pick_blocks(cursor, count, member=me, members=len(members), exclude=self.claimed.add(leased), salt=salt)
 
     async def _compute_once(self) -> None:
         blocks = self._take_blocks()
@@ -427,6 +428,7 @@ class Trainer:
         sps = sum(r.samples_per_second for p, r in trainers.items() if p != self.peer_id) + self.samples_per_second
         remaining = max(0, self.spec.total_steps - self.state.step) * self.spec.target_batch_size
         return dict(step=self.state.step, total_steps=self.spec.total_steps, loss=self.last_loss,
+                    samples_accumulated=self.samples,
                     state_hash=self.state_hash, samples_per_second=round(sps, 2), peers=max(1, len(trainers)),
                     eta_s=(remaining / sps) if sps > 0 else None, cursor=self.state.cursor.summary(), **extra)
 
