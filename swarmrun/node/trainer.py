@@ -33,6 +33,7 @@ from ..protocol.round import (
     decide_commit,
     progress_key,
     pick_blocks,
+    accumulation_cap,
     preferred_hash,
     should_resync,
     should_start_round,
@@ -122,7 +123,8 @@ class Trainer:
             prefix=f"swarmrun_{spec.run_id}",
             start=True,
             min_matchmaking_time=config.matchmaking_time,
-            request_timeout=config.request_timeout,
+            # hivemind: a request_timeout not below min_matchmaking_time can deadlock matchmaking
+            request_timeout=min(config.request_timeout, 0.5 * config.matchmaking_time),
             allreduce_timeout=config.allreduce_timeout,
             next_chunk_timeout=config.next_chunk_timeout,
             target_group_size=None,
@@ -221,6 +223,10 @@ class Trainer:
         elif should_start_round(self.view, me=self.peer_id, step=self.state.step, samples=self.samples,
                                 target_batch_size=self._target()):
             await self.run_round()
+        elif self.samples >= accumulation_cap(self.view, me=self.peer_id, step=self.state.step,
+                                              samples_per_second=self.samples_per_second,
+                                              target_batch_size=self._target()):
+            await asyncio.sleep(0.05)  # our share is done: the others' next reports complete the target
         else:
             await self._compute_once()
         return None

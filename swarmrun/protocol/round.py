@@ -403,3 +403,16 @@ def should_start_round(view: SwarmView, *, me: str, step: int, samples: int, tar
         return False
     others = sum(r.samples for p, r in view.trainers.items() if r.step == step and p != me)
     return others + samples >= target_batch_size
+
+
+def accumulation_cap(view: SwarmView, *, me: str, step: int, samples_per_second: float, target_batch_size: int,
+                     slack: float = 1.25) -> int:
+    """How many samples this peer should accumulate for the next step: its share of ``target_batch_size`` in
+    proportion to its speed among the trainers at its step (with ``slack``), so that a swarm whose reports are a
+    moment old does not overshoot the target several times over, and a fast peer still contributes more. With no
+    speeds known yet, an equal share."""
+    rates = {p: r.samples_per_second for p, r in view.trainers.items() if r.step == step and p != me}
+    rates[me] = samples_per_second
+    total = sum(rates.values())
+    share = samples_per_second / total if total > 0 and samples_per_second > 0 else 1.0 / len(rates)
+    return max(1, int(slack * target_batch_size * share + 0.999))

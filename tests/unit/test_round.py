@@ -161,3 +161,21 @@ def test_progress_report_carries_the_cursor_summary_and_tolerates_its_absence():
     })
     assert run_accounting(view) == summary
     assert run_accounting(SwarmView(reports={"c": view.reports["c"]})) is None
+
+
+def test_accumulation_cap_shares_the_target_by_speed():
+    from swarmrun.protocol.round import ProgressReport, Role, SwarmView, accumulation_cap
+
+    def report(step, sps):
+        return ProgressReport(step=step, samples=0, samples_per_second=sps, role=Role.TRAINER, state_hash="a" * 64,
+                              time=0.0)
+
+    view = SwarmView(reports={"fast": report(3, 300.0), "slow": report(3, 100.0), "behind": report(2, 1e6)})
+    # a peer at step 3 running at 100 samples/s next to one at 300: a quarter of the target, with slack
+    assert accumulation_cap(view, me="slow", step=3, samples_per_second=100.0, target_batch_size=400) == 125
+    assert accumulation_cap(view, me="fast", step=3, samples_per_second=300.0, target_batch_size=400) == 375
+    # the caps together cover the target (the round starts), with at most the slack on top
+    assert 400 <= 125 + 375 <= 1.25 * 400
+    # speeds not known yet: equal shares; alone: the whole target and the slack
+    assert accumulation_cap(view, me="new", step=3, samples_per_second=0.0, target_batch_size=300) == 125
+    assert accumulation_cap(SwarmView(reports={}), me="me", step=0, samples_per_second=5.0, target_batch_size=64) == 80
