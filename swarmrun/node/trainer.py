@@ -75,6 +75,10 @@ class TrainerConfig:
     min_peers: int = 1  # do not step until this many trainers are live (a demo or test waiting for its peers)
 
 
+class Stopped(Exception):
+    """A stop was requested while the trainer waited on the swarm."""
+
+
 class Trainer:
     """A peer of a run: trains (or keeps state), averages, commits, serves its state.
 
@@ -319,7 +323,9 @@ class Trainer:
         try:
             control = self.averager.step(gather=meta.encode(), weight=float(max(self.samples, 1)),
                                          timeout=self.config.averaging_timeout, allow_retries=True, wait=False)
-            outcome: RoundOutcome = await _await(control, self.config.averaging_timeout + 5)
+            outcome: RoundOutcome = await self._unless_stopped(_await(control, self.config.averaging_timeout + 5))
+        except Stopped:
+            raise
         except Exception as e:
             self._abandon(f"no round formed: {type(e).__name__}: {e}")
             await self._refresh_view()
@@ -336,6 +342,23 @@ class Trainer:
                 logger.warning("my claimed blocks overlapped another participant's: dropping my accumulated gradients")
                 self._zero_accumulator()
             self._abandon(decision.reason)
+
+    async def _unless_stopped(self, awaitable):
+        """Await, unless a stop is requested first (a leave must not wait out a round's timeout).
+
+        Raises:
+            Stopped: the stop came first (the round is abandoned; nothing was applied).
+        """
+        task = asyncio.ensure_future(awaitable)
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        try:
+            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not task.done():
+            task.cancel()
+            raise Stopped()
+        return task.result()
 
     async def _vote(self, outcome: RoundOutcome):
         claims = decide_claims(outcome.metas, self.state.cursor)
@@ -462,6 +485,8 @@ class Trainer:
         how = dict(bytes=0, fetched=0, replayed=0, providers=0, banned=0)
         last_error = "no provider announced a state"
         while time.monotonic() < deadline:
+            if self.stop_requested.is_set():
+                raise Stopped()
             if not self.dht.is_alive():
                 raise SwarmrunError("hivemind's DHT process died; leaving")
             await self._refresh_view()
