@@ -9,6 +9,8 @@ its all-reduce into the round of DESIGN.md; ``ExactAllReduceRunner`` is the runn
 from __future__ import annotations
 
 import asyncio
+import collections
+import statistics
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Sequence
 
@@ -31,6 +33,8 @@ from ..protocol.round import ClaimDecision, RoundMeta, check_round_meta, decide_
 
 logger = get_logger(__name__)
 SUSPECT_STEPS = 10  # rounds a sender caught with bad gradients is refused in
+NORM_HISTORY = 32  # declared norms of complete rounds kept to judge a new one
+NORM_RANGE = 20.0  # a declared norm this many times the recent median is refused at admission
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ class RoundAverager(DecentralizedAverager):
         self.spec_hash = spec_hash
         self.gate = gate  # copied into the averager process at its start; revocations follow through prepare_round
         self._suspects: dict[str, int] = {}  # senders caught with bad gradient slices -> step until which refused
+        self._recent_norms: collections.deque = collections.deque(maxlen=NORM_HISTORY)  # of complete rounds
         self._round_step: Optional[int] = None
         self._round_cursor: Optional[DataCursor] = None
         super().__init__(averaged_tensors, dht, **kwargs)
@@ -225,6 +230,10 @@ class RoundAverager(DecentralizedAverager):
                 return f"access: {refused}"
         if self._suspects.get(peer, -1) >= (self._round_step or 0):
             return "sent gradients that did not match its declared norm in a recent round"
+        if len(self._recent_norms) >= NORM_HISTORY // 2:
+            typical = statistics.median(self._recent_norms)
+            if typical > 0 and meta.grad_norm > NORM_RANGE * typical:
+                return f"declared gradient norm {meta.grad_norm:.3g} is far above the swarm's recent {typical:.3g}"
         return None
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
@@ -259,6 +268,7 @@ class RoundAverager(DecentralizedAverager):
         if failed or banned:
             reason = f"{failed} values not averaged by their reducer; banned senders {banned}"
             return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, reason)
+        self._recent_norms.extend(m.grad_norm for m in metas if m.grad_norm > 0)
         return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, True)
 
     def _note_bad_senders(self) -> None:

@@ -1,0 +1,36 @@
+"""The averager's admission decision, without processes: spec and step, access, suspects, the norm range."""
+
+import collections
+
+from swarmrun.node.averaging import NORM_HISTORY, RoundAverager
+from swarmrun.protocol.cursor import RangeSet
+from swarmrun.protocol.round import RoundMeta
+
+SPEC = "ab" * 32
+
+
+def _averager(step=4):
+    avg = RoundAverager.__new__(RoundAverager)  # the decision only: no DHT, no averager process
+    avg.spec_hash, avg.gate, avg._suspects, avg._round_step = SPEC, None, {}, step
+    avg._recent_norms = collections.deque(maxlen=NORM_HISTORY)
+    return avg
+
+
+def _meta(norm=1.0, step=4, spec=SPEC):
+    return RoundMeta(spec_hash=spec, step=step, samples=8, blocks=RangeSet.from_items([0]), data_epoch=0,
+                     grad_norm=norm)
+
+
+def test_admission_spec_step_suspects_and_norm_range():
+    avg = _averager()
+    assert avg._admission("QmA", _meta()) is None
+    assert "spec" in avg._admission("QmA", _meta(spec="cd" * 32))
+    assert "step" in avg._admission("QmA", _meta(step=3))
+    avg._suspects["QmB"] = 9
+    assert "declared norm" in avg._admission("QmB", _meta())
+    avg._round_step = 10  # the suspicion lapses
+    assert avg._admission("QmB", _meta(step=10)) is None
+    # with a history of norms around 1, a declared norm 100 times larger is refused; 5 times is fine
+    avg._recent_norms.extend([1.0, 0.9, 1.1] * 10)
+    assert "far above" in avg._admission("QmC", _meta(norm=100.0, step=10))
+    assert avg._admission("QmC", _meta(norm=5.0, step=10)) is None
