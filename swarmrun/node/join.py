@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,10 +301,39 @@ def _with_device(config: TrainerConfig, device: str) -> TrainerConfig:
     return replace(config, device=device)
 
 
+LEAVE_GRACE = 30.0  # seconds a peer asked to leave may take before it is made to
+
+
 def _install_signal_handlers(trainer: Trainer) -> None:
+    """SIGINT/SIGTERM: leave gracefully (finish or abandon the round, last report, shutdown). A second signal, or a
+    leave that takes longer than ``LEAVE_GRACE`` (a hivemind child killed by a signal to the whole group can
+    leave a call hanging), ends the process and its children at once; the run's committed state lives on with
+    the other peers and in snapshots."""
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if trainer.stop_requested.is_set():
+            _leave_now("a second signal")
+        trainer.stop_requested.set()
+        threading.Thread(target=_watchdog, daemon=True, name="leave-watchdog").start()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, trainer.stop_requested.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):
             pass
+
+
+def _watchdog() -> None:
+    time.sleep(LEAVE_GRACE)
+    _leave_now(f"a leave that took over {LEAVE_GRACE:.0f}s")
+
+
+def _leave_now(why: str) -> None:
+    from .swarm import kill_descendants
+
+    logger.warning(f"leaving at once after {why}")
+    try:
+        kill_descendants(timeout=2.0)
+    finally:
+        os._exit(0)
