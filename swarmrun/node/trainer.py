@@ -103,6 +103,7 @@ class Trainer:
         self.samples = 0  # samples accumulated toward the next step
         self.claimed = RangeSet()  # blocks whose gradients are in the accumulator
         self.view = SwarmView(reports={})
+        self._seen: dict[str, float] = {}  # trainer -> when this peer last saw it live
         self.stop_requested = asyncio.Event()
         self.finished = False
         self.samples_per_second = 0.0
@@ -367,7 +368,9 @@ class Trainer:
             grad_hash = digest_tensors(buffers)
         ok = outcome.complete and finite
         reason = outcome.reason if not outcome.complete else ("" if finite else "averaged gradient is not finite")
-        mine = Vote(step=self.state.step, group_id=outcome.group_id.hex(), grad_hash=grad_hash, ok=ok, reason=reason)
+        live = max(self._recently_live(), len(outcome.peer_ids))
+        mine = Vote(step=self.state.step, group_id=outcome.group_id.hex(), grad_hash=grad_hash, ok=ok, reason=reason,
+                    live=live)
         key = vote_key(self.spec.run_id, self.state.step)
         await _await(self.dht.store(key, subkey=self._provider_subkey, value=mine.encode(),
                                     expiration_time=get_dht_time() + 120, return_future=True))
@@ -381,7 +384,6 @@ class Trainer:
             if any(not v.ok for v in votes.values() if v.group_id == mine.group_id):
                 break
             await asyncio.sleep(0.05)
-        live = max(len(self.view.trainers), len(outcome.peer_ids))
         decision = decide_commit(mine=mine, votes=votes, group=outcome.peer_ids, live_trainers=live,
                                  samples=claims.samples, target_batch_size=self._target())
         return decision, claims
@@ -622,11 +624,21 @@ class Trainer:
         except Exception as e:
             logger.debug(f"could not publish progress: {e!r}")
 
+    def _recently_live(self) -> int:
+        """Trainers seen live within the report TTL (a high-water mark: a view that is still forming, at a start or
+        under load, must not make a minority look like a majority)."""
+        now = time.monotonic()
+        for peer in self.view.trainers:
+            self._seen[peer] = now
+        self._seen = {p: t for p, t in self._seen.items() if now - t <= self.config.report_ttl}
+        return len(self._seen | {self.peer_id: now})
+
     async def _refresh_view(self) -> None:
         self.view = await read_view(self.dht, self.spec.run_id, self.gate)
         reports = dict(self.view.reports)
         reports[self.peer_id] = self._report()
         self.view = SwarmView(reports=reports)
+        self._recently_live()
 
     async def _report_forever(self) -> None:
         last_refresh = 0.0

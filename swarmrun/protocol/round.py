@@ -213,10 +213,11 @@ class Vote:
     grad_hash: str  # sha256 of the averaged gradient it holds
     ok: bool  # its all-reduce was complete (no failed reducer, no banned sender, finite average)
     reason: str = ""
+    live: int = 0  # trainers this participant saw live recently: the group must be a majority of everyone's count
 
     def encode(self) -> bytes:
         return pack(dict(type="vote", version=ROUND_VERSION, step=self.step, group_id=self.group_id,
-                         grad_hash=self.grad_hash, ok=self.ok, reason=self.reason[:200]))
+                         grad_hash=self.grad_hash, ok=self.ok, reason=self.reason[:200], live=self.live))
 
     @classmethod
     def decode(cls, data: bytes) -> "Vote":
@@ -224,7 +225,7 @@ class Vote:
         _require(isinstance(d, dict) and d.get("type") == "vote" and d.get("version") == ROUND_VERSION, "not a vote")
         _require(isinstance(d.get("ok"), bool), "ok must be a bool")
         return cls(step=_int(d, "step"), group_id=_str(d, "group_id", 128), grad_hash=_str(d, "grad_hash", 128),
-                   ok=d["ok"], reason=_str(d, "reason", 200))
+                   ok=d["ok"], reason=_str(d, "reason", 200), live=_int(d, "live", 0, 1 << 20) if "live" in d else 0)
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,8 @@ def decide_commit(
             return Abandon(f"participant {peer[-6:]} reports an incomplete all-reduce: {vote.reason}")
         if (vote.step, vote.group_id, vote.grad_hash) != (mine.step, mine.group_id, mine.grad_hash):
             return Abandon(f"participant {peer[-6:]} holds a different averaged gradient")
+    # the largest count any member saw: two groups with partial views of the swarm cannot both be a majority
+    live_trainers = max([live_trainers, *(votes[p].live for p in group)])
     if len(group) < live_trainers // 2 + 1:
         return Abandon(f"group of {len(group)} is not a majority of {live_trainers} live trainers")
     if samples < target_batch_size:

@@ -179,3 +179,26 @@ def test_accumulation_cap_shares_the_target_by_speed():
     # speeds not known yet: equal shares; alone: the whole target and the slack
     assert accumulation_cap(view, me="new", step=3, samples_per_second=0.0, target_batch_size=300) == 125
     assert accumulation_cap(SwarmView(reports={}), me="me", step=0, samples_per_second=5.0, target_batch_size=64) == 80
+
+
+def test_two_groups_with_partial_views_cannot_both_commit():
+    """Group A = {a, b} sees 3 trainers, group B = {c, d, e} sees 5; B's members saw all 5: A is no majority."""
+    from swarmrun.protocol.round import Abandon, Commit, Vote, decide_commit
+
+    def votes(group, gid, live):
+        return {p: Vote(step=0, group_id=gid, grad_hash="h" * 64, ok=True, live=live) for p in group}
+
+    a = votes(["a", "b"], "g1", live=3)
+    assert isinstance(decide_commit(mine=a["a"], votes=a, group=["a", "b"], live_trainers=3, samples=64,
+                                    target_batch_size=64), Commit)  # alone with its view, A would commit...
+    a["b"] = Vote(step=0, group_id="g1", grad_hash="h" * 64, ok=True, live=5)  # ...but b saw 5 trainers
+    assert isinstance(decide_commit(mine=a["a"], votes=a, group=["a", "b"], live_trainers=3, samples=64,
+                                    target_batch_size=64), Abandon)
+    b = votes(["c", "d", "e"], "g2", live=5)
+    assert isinstance(decide_commit(mine=b["c"], votes=b, group=["c", "d", "e"], live_trainers=5, samples=64,
+                                    target_batch_size=64), Commit)
+    # a vote from an older peer without the field counts as 0
+    from swarmrun.protocol.codec import pack, unpack
+
+    old = pack({k: v for k, v in unpack(b["c"].encode()).items() if k != "live"})
+    assert Vote.decode(old).live == 0
