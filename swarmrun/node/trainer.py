@@ -208,6 +208,13 @@ class Trainer:
                 return "stopped"
             raise SwarmrunError("hivemind's DHT or averager process died; leaving")
         if self.state.step >= self.spec.total_steps or self.view.finished():
+            if self.state.step < self.spec.total_steps:
+                # the others finished while this peer was behind: leave with the run's final state, if a
+                # provider still serves it
+                try:
+                    await self.catch_up(deadline=time.monotonic() + min(20.0, self.config.state_timeout))
+                except IncompatibleState as e:
+                    logger.warning(f"the run finished; leaving at step {self.state.step}: {e}")
             self.finished = True
             return "finished"
         if self.config.max_steps is not None and self.state.step >= self.config.max_steps:
