@@ -506,6 +506,7 @@ class Trainer:
                 continue
             newest = max([r.step for r in records.values()] + [self.view.newest_step])
             if self.state.step >= newest and not self._behind():
+                how["banned"] = len(self.fetcher.banned)  # providers this peer caught lying so far
                 return how
             choice = choose_state(records, trusted_hashes=self._trusted_hashes())
             # replay while the records to fetch weigh less than a whole state (Adam: about 3 records); after one
@@ -555,7 +556,6 @@ class Trainer:
             raise IncompatibleState(f"state of step {choice.step} does not verify: {faults[:1] or 'state_hash'}")
         how["bytes"] += stats.bytes
         how["fetched"] += 1
-        how["banned"] += len(stats.banned)
         how["providers"] = max(how["providers"], sum(1 for b in stats.by_provider.values() if b > 0))
         logger.info(f"fetched state of step {choice.step}: {stats.bytes / 2**20:.1f} MiB in {stats.seconds:.2f}s from "
                     f"{how['providers']} provider(s)" + (f", resumed {stats.resumed_chunks} chunks" if stats.resumed_chunks else ""))
