@@ -310,18 +310,19 @@ def _install_signal_handlers(trainer: Trainer) -> None:
     leave a call hanging), ends the process and its children at once; the run's committed state lives on with
     the other peers and in snapshots."""
     loop = asyncio.get_running_loop()
+    signals = {"count": 0}
 
-    def on_signal() -> None:
-        if trainer.stop_requested.is_set():
+    # a Python-level handler, not loop.add_signal_handler: it runs even when the loop is blocked (a hivemind child
+    # killed by a signal to the whole group can die holding the averaged tensors' lock)
+    def on_signal(signum, frame) -> None:
+        signals["count"] += 1
+        if signals["count"] > 1:
             _leave_now("a second signal")
-        trainer.stop_requested.set()
         threading.Thread(target=_watchdog, daemon=True, name="leave-watchdog").start()
+        loop.call_soon_threadsafe(trainer.stop_requested.set)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, on_signal)
-        except (NotImplementedError, RuntimeError):
-            pass
+        signal.signal(sig, on_signal)
 
 
 def _watchdog() -> None:
