@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 from .codec import pack, unpack
 from .errors import RemoteProtocolError
+from .round import _require
 
 ACCESS_VERSION = 1
 MAX_CERTIFICATE_BYTES = 8 * 1024
@@ -31,11 +32,6 @@ Verifier = Callable[[bytes, bytes, bytes], bool]
 def revocation_key(run_id: str) -> str:
     """The owner's signed revocation list of a run."""
     return f"swarmrun.{run_id}.revoked"
-
-
-def _require(cond: bool, what: str) -> None:
-    if not cond:
-        raise RemoteProtocolError(what)
 
 
 def _str(d: Mapping, key: str, max_len: int = 128) -> str:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 from .codec import pack, unpack
 from .errors import RemoteProtocolError
 from .manifest import MAX_CHUNK_SIZE, MAX_MANIFEST_SIZE
+from .round import _float, _int, _require  # one set of field validators for every message
 
 TRANSFER_VERSION = 1
 MAX_HEADER_BYTES = 4096
@@ -41,29 +42,11 @@ def protocol_name(run_id: str) -> str:
     return f"/swarmrun/{run_id}/state/{TRANSFER_VERSION}"
 
 
-def _require(cond: bool, what: str) -> None:
-    if not cond:
-        raise RemoteProtocolError(what)
-
-
-def _int(d: Mapping, key: str, lo: int = 0, hi: int = 2**62) -> int:
-    v = d.get(key)
-    _require(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, f"{key} must be an int in [{lo}, {hi}]")
-    return v
-
-
 def _digest(d: Mapping, key: str) -> str:
     v = d.get(key)
     _require(isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v),
              f"{key} must be 64 lowercase hex digits")
     return v
-
-
-def _num(d: Mapping, key: str) -> float:
-    v = d.get(key)
-    _require(isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf"),
-             f"{key} must be a finite number")
-    return float(v)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +85,7 @@ class ProviderRecord:
             entries[_int({"s": item[0]}, "s")] = _digest({"h": item[1]}, "h")
         _require(isinstance(d.get("keeper"), bool), "keeper must be a bool")
         return cls(step=_int(d, "step"), manifest_hash=_digest(d, "manifest_hash"), state_hash=_digest(d, "state_hash"),
-                   total_bytes=_int(d, "total_bytes"), time=_num(d, "time"), keeper=d["keeper"],
+                   total_bytes=_int(d, "total_bytes"), time=_float(d, "time"), keeper=d["keeper"],
                    serving=_int(d, "serving", 0, 1 << 16), log=entries)
 
 
