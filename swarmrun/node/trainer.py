@@ -73,6 +73,7 @@ class TrainerConfig:
     mixed_precision: bool = True  # autocast to bf16 on CUDA
     max_failed_rounds: int = 50  # consecutive abandoned rounds before giving up
     min_peers: int = 1  # do not step until this many trainers are live (a demo or test waiting for its peers)
+    finish_linger: float = 45.0  # a finished peer serves trainers still behind at most this long (> a round's wait)
 
 
 class Stopped(Exception):
@@ -216,6 +217,7 @@ class Trainer:
                 except IncompatibleState as e:
                     logger.warning(f"the run finished; leaving at step {self.state.step}: {e}")
             self.finished = True
+            await self._serve_laggards()
             return "finished"
         if self.config.max_steps is not None and self.state.step >= self.config.max_steps:
             return "max_steps"
@@ -242,6 +244,17 @@ class Trainer:
         else:
             await self._compute_once()
         return None
+
+    async def _serve_laggards(self) -> None:
+        """Once finished, keep serving the final state (and reporting `finished`) while live trainers are still
+        behind, bounded by ``finish_linger``. A peer that was waiting in a round when the others committed the
+        last step learns it only when its round times out; without this it finds no provider and no `finished`
+        report left (both expire with their TTL), and waits for peers forever."""
+        deadline = time.monotonic() + self.config.finish_linger
+        while time.monotonic() < deadline and not self.stop_requested.is_set():
+            if not any(p != self.peer_id and not r.finished for p, r in self.view.trainers.items()):
+                return
+            await asyncio.sleep(self.config.report_interval)
 
     def _target(self) -> int:
         """Samples a step needs: target_batch_size, or what is left of the data epoch (its last step is short)."""
