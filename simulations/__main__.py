@@ -113,6 +113,7 @@ def _report(args, trace, out) -> int:
                      target_batch_size=int(saved.get("target_batch_size") or trace.sets.get("target_batch_size") or 0))
         rec.lives = {k: Life(**v) for k, v in saved["lives"].items()}
         rec.faults = saved["faults"]
+        rec.proxies = saved.get("proxies") or {}
         for line in lines:
             e = json.loads(line)
             rec.events.append((e.pop("t"), e.pop("peer"), e))

@@ -43,6 +43,7 @@ class Record:
     total_steps: int = 0
     target_batch_size: int = 0
     end: float = 0.0
+    proxies: dict = field(default_factory=dict)  # traces with latency: the delay proxies' counters and audit
 
     def of(self, *kinds: str):
         return [(t, k, e) for t, k, e in self.events if e.get("event") in kinds]
@@ -224,6 +225,25 @@ def work_lost(rec: Record) -> list[dict]:
     return rows
 
 
+def latency_applied(rec: Record) -> tuple[bool, list[str]]:
+    """Traces with latency: no connection reached a peer's real port without its delay proxy (the runner's
+    scans of the TCP tables), and the proxies carried the swarm's connections (each answered, and together
+    forwarded bytes both ways)."""
+    px = rec.proxies
+    problems = [f"a connection bypassed the proxy: {d}" for d in px.get("direct_connections", [])]
+    stats = px.get("per_peer") or {}
+    silent = sorted(n for n, st in stats.items() if st is None)
+    if silent:
+        problems.append(f"the proxies of {', '.join(silent)} did not answer at the end")
+    if not px.get("scans"):
+        problems.append("no scan for direct connections ran")
+    carried = [st for st in stats.values() if st]
+    if not any(st.get("connections") for st in carried) or not sum(st.get("bytes_in", 0) for st in carried) \
+            or not sum(st.get("bytes_out", 0) for st in carried):
+        problems.append("the proxies carried no traffic")
+    return not problems, problems
+
+
 def check_all(rec: Record, *, cleaned: bool, loss_ok: Optional[bool]) -> tuple[dict, dict]:
     """Every invariant (name -> bool) and the problems found (name -> list of lines)."""
     inv, why = {}, {}
@@ -241,6 +261,8 @@ def check_all(rec: Record, *, cleaned: bool, loss_ok: Optional[bool]) -> tuple[d
     why["run_finished"] = [] if inv["run_finished"] else [f"final step {final} of {rec.total_steps}"]
     inv["processes_cleaned_up"] = cleaned
     why["processes_cleaned_up"] = [] if cleaned else ["a peer process outlived the run"]
+    if rec.proxies:
+        inv["latency_applied"], why["latency_applied"] = latency_applied(rec)
     if loss_ok is not None:
         inv["final_loss_within_tolerance"] = loss_ok
     return inv, {k: v for k, v in why.items() if v}
@@ -248,4 +270,4 @@ def check_all(rec: Record, *, cleaned: bool, loss_ok: Optional[bool]) -> tuple[d
 
 def as_jsonable(rec: Record) -> dict[str, Any]:
     return dict(lives={k: vars(v) for k, v in rec.lives.items()}, faults=rec.faults, total_steps=rec.total_steps,
-                target_batch_size=rec.target_batch_size, end=rec.end)
+                target_batch_size=rec.target_batch_size, end=rec.end, proxies=rec.proxies)

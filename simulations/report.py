@@ -14,7 +14,8 @@ from .trace import KINDS
 
 PLOTS = ("loss_vs_samples.png", "peers_over_time.png", "step_rate.png", "bootstrap_times.png")
 FAULT_COLORS = {"kill": "red", "leave": "orange", "join": "green", "stall": "purple", "slow": "brown",
-                "loss": "gray", "partition": "black", "pause": "blue", "resume_run": "cyan"}
+                "loss": "gray", "partition": "black", "pause": "blue", "resume_run": "cyan",
+                "latency": "olive"}
 
 
 def compare_loss(rec: Record, baseline: Optional[dict], *, rel_tol: float, abs_tol: float) -> dict:
@@ -60,6 +61,7 @@ def figures(rec: Record, trace_name: str, run_id: str, loss: dict, wall_s: float
         cursor=final_cursor(rec), work_lost=dict(samples=sum(r["samples_lost"] for r in lost), per_fault=lost),
         joiners=joiners,
         loss={k: v for k, v in loss.items() if k not in ("swarm_eval", "baseline_eval")},
+        **({"latency": rec.proxies} if rec.proxies else {}),
     )
 
 

@@ -28,11 +28,14 @@ from swarmrun.node.demo import PeerProcess, start_peer
 from swarmrun.protocol.errors import SwarmrunError, UsageError
 
 from .checks import Life, Record
+from .delayproxy import LinkAudit, ProxyHandle, free_port, start_proxy
 from .trace import Event, Trace
 
 Emit = Callable[..., None]
 LISTEN_TIMEOUT = 120.0  # the creator's first `listening`
 FINISH_GRACE = 60.0  # after the run finished, how long the other peers get to leave on their own
+PEER_PORT_IN_NAMESPACE = 4001  # a proxied peer's real port in its own namespace (its proxy's port is the OS's)
+AUDIT_EVERY = 5.0  # seconds between two scans for connections that bypassed a delay proxy
 
 
 def pause_supported() -> bool:
@@ -85,6 +88,9 @@ class Simulation:
         self.first_hash: dict = {}  # step -> (state_hash, key) of its first commit seen
         self.cleaned = False
         self.fired = 0
+        self.proxies: dict[str, ProxyHandle] = {}  # peer name -> its delay proxy (traces with latency)
+        self.audit = LinkAudit()
+        self._next_audit = 0.0
 
     # ---- clock ------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -129,10 +135,15 @@ class Simulation:
         args += ["--state-dir", str(self.state_root / name), "--device", "cpu", "--batch-size", str(tr.batch_size),
                  "--matchmaking-time", str(tr.matchmaking_time), "--min-peers", str(tr.min_peers)]
         prefix: list[str] = []
+        host = "127.0.0.1"
         if self.network is not None:
             link = self.network.add_peer(name, index, tr.link_rate)
-            args += ["--listen", f"/ip4/{link.ip}/tcp/0"]
-            prefix = self.network.prefix(name)
+            host, prefix = link.ip, self.network.prefix(name)
+        if tr.proxied:
+            proxy = self._proxy(name, host, prefix)
+            args += ["--listen", f"/ip4/{host}/tcp/{proxy.upstream[1]}", "--announce", f"/ip4/{host}/tcp/{proxy.port}"]
+        elif self.network is not None:
+            args += ["--listen", f"/ip4/{host}/tcp/0"]
         if any(e.kind == "pause" for e in self.events):
             args += ["--snapshot-to", str(self.store)]
         self.current[name] = key
@@ -141,6 +152,35 @@ class Simulation:
         if not initial:
             self.fault("join", name)
         self.emit("sim", message=f"started {key}" + (" (resume)" if resume else ""), t=round(self.now(), 2))
+
+    def _proxy(self, name: str, host: str, prefix: list[str]) -> ProxyHandle:
+        """The peer's delay proxy (one per name, kept across its incarnations, so a rejoin keeps its ports): it
+        listens on an OS-chosen port and forwards to the peer's real port. In a namespace both live in the
+        peer's namespace (the proxy's inbound connections keep the dialer's address, so the partition and loss
+        rules still see who sent what); on loopback the real port is one free now."""
+        if name in self.proxies:
+            return self.proxies[name]
+        upstream = (host, PEER_PORT_IN_NAMESPACE if prefix else free_port(host))
+        log = open(self.logs / f"proxy-{name}.log", "ab")
+        try:
+            proxy = start_proxy((host, 0), upstream, self.trace.latency_ms or 0.0, log=log, prefix=prefix)
+        except RuntimeError as e:
+            raise SwarmrunError(f"{e} (see {self.logs / f'proxy-{name}.log'})") from None
+        finally:
+            log.close()
+        self.proxies[name] = proxy
+        self.emit("sim", message=f"{name}: delay proxy {host}:{proxy.port} -> {host}:{upstream[1]}, "
+                                 f"{proxy.delay_ms:g} ms each way")
+        return proxy
+
+    def _audit_links(self) -> None:
+        """Every few seconds, look for a connection that reached a peer's real port without its proxy."""
+        if not self.proxies or self.now() < self._next_audit:
+            return
+        self._next_audit = self.now() + AUDIT_EVERY
+        pids = [p.proc.pid for p in self.proxies.values() if p.proc.poll() is None]
+        tables = [f"/proc/{pid}/net/tcp" for pid in pids] if self.network is not None else ["/proc/net/tcp"]
+        self.audit.scan({p.upstream for p in self.proxies.values()}, pids, tables)
 
     def _known_maddrs(self) -> list[str]:
         live = self.alive()
@@ -201,6 +241,13 @@ class Simulation:
             self.fault("slow", name, rate=ev.rate, duration=ev.duration)
             if ev.duration:
                 self._later(ev.duration, f"unslow {name}", lambda: self._link(name, rate=self.trace.link_rate))
+        elif ev.kind == "latency":
+            self.proxies[name].set_delay(ev.ms)
+            self.fault("latency", name, ms=ev.ms, duration=ev.duration)
+            if ev.duration:
+                base = self.trace.latency_ms or 0.0
+                self._later(ev.duration, f"latency {name} back",
+                            lambda: (self.proxies[name].set_delay(base), self.fault("latency_end", name, ms=base)))
         elif ev.kind == "loss":
             self.network.set_loss(name, ev.percent)
             self.fault("loss", name, percent=ev.percent, duration=ev.duration)
@@ -351,6 +398,7 @@ class Simulation:
                 _, _, what, fn = heapq.heappop(self.timers)
                 fn()
             self._poll_pause()
+            self._audit_links()
             front = max((e.get("step", 0) for _, _, e in self.rec.of("step", "bootstrapped", "resumed")), default=0)
             while pending and self.finished_at is None and not self.holding:
                 i, ev = pending[0]
@@ -440,6 +488,16 @@ class Simulation:
         groups = [p.proc.pid for p in self.procs.values()]
         if self.pause_proc is not None:
             groups.append(self.pause_proc.pid)
+        if self.proxies:
+            self.rec.proxies = dict(latency_ms=self.trace.latency_ms, scans=self.audit.scans,
+                                    direct_connections=sorted(f"{a[0]}:{a[1]} -> {b[0]}:{b[1]}" for a, b in self.audit.direct),
+                                    per_peer={n: p.stats() for n, p in self.proxies.items()})
+        for p in self.proxies.values():
+            groups.append(p.proc.pid)
+            try:
+                p.proc.stdin.close()  # it exits by itself on this; the SIGKILL below is for one that does not
+            except OSError:
+                pass
         for key, p in self.procs.items():
             life = self.rec.lives[key]
             if life.end is None:
@@ -451,6 +509,11 @@ class Simulation:
                 except (ProcessLookupError, PermissionError):
                     pass
         for p in self.procs.values():
+            try:
+                p.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.proxies.values():
             try:
                 p.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:

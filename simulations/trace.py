@@ -18,11 +18,18 @@ reaches ``step`` (robust on a loaded machine). Kinds and their fields:
 | ``slow`` | ``peer``, ``rate`` (e.g. ``"2mbit"``), ``duration`` (optional) | ``tc tbf`` both ways on its veth |
 | ``loss`` | ``peer``, ``percent``, ``duration`` (optional) | nftables drop rule on the receiving side |
 | ``partition`` | ``peers`` (one side), ``duration`` (optional) | nftables drops between the two sides |
+| ``latency`` | ``peer``, ``ms``, ``duration`` (optional) | the peer's delay proxy holds each direction ``ms`` |
 | ``pause`` | ``duration``, ``peers`` (count on resume) | ``node pause``, then ``--resume-from`` on ``peers`` peers |
 
 ``peer`` may be ``"random"``: a live peer drawn at fire time from a seeded generator (peer0 is never drawn,
 so the run keeps an address everyone knows). Link kinds need ``"links": true`` (each peer in its own network
 namespace).
+
+**Latency** needs no namespace and no root: with ``latency_ms`` (a one-way delay for every peer, 0 allowed) or
+any ``latency`` event, each peer listens on a private port behind its own delay proxy
+(:mod:`simulations.delayproxy`) and announces the proxy's address, so every connection dialed to it is
+delayed each way; ``latency`` events change one peer's delay, and back to ``latency_ms`` after ``duration``.
+A connection between two peers passes the proxy of the one that was dialed (p2pd dials announced addresses).
 """
 
 from __future__ import annotations
@@ -37,9 +44,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 from swarmrun.protocol.errors import UsageError
 
-KINDS = ("join", "kill", "leave", "stall", "slow", "loss", "partition", "pause")
+KINDS = ("join", "kill", "leave", "stall", "slow", "loss", "partition", "pause", "latency")
 LINK_KINDS = ("slow", "loss", "partition")
-TARGETED = ("kill", "leave", "stall", "slow", "loss")
+TARGETED = ("kill", "leave", "stall", "slow", "loss", "latency")
 GENERATORS = ("mtbf", "spot", "diurnal", "flash_crowd")
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 RATE_RE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit)$")
@@ -61,6 +68,7 @@ class Event:
     duration: Optional[float] = None
     rate: Optional[str] = None
     percent: Optional[float] = None
+    ms: Optional[float] = None  # latency: the one-way delay
     source: str = "events"  # "events" or "generators[i]": where the event came from
 
     def to_dict(self) -> dict:
@@ -83,6 +91,7 @@ class Trace:
     links: bool = False
     link_rate: Optional[str] = None  # every peer's link, when links is true (None: unshaped veth)
     leave_timeout: float = 30.0
+    latency_ms: Optional[float] = None  # one-way delay of every peer's proxy; None (and no latency event): no proxies
     loss_tolerance: float = 0.02  # final eval loss vs the baseline's at equal samples (relative)
     loss_abs_tolerance: float = 0.0
     events: tuple[Event, ...] = ()
@@ -91,6 +100,11 @@ class Trace:
     def expanded(self) -> list[Event]:
         """Explicit events plus the generators' events, ordered (steps first, then by time)."""
         return expand(self)
+
+    @property
+    def proxied(self) -> bool:
+        """Whether every peer listens behind a delay proxy."""
+        return self.latency_ms is not None or any(e.kind == "latency" for e in self.events)
 
 
 def load_trace(path: str | Path, *, seed: Optional[int] = None) -> Trace:
@@ -139,7 +153,7 @@ def parse_trace(data: Any, *, default_name: str = "trace") -> Trace:
         if key in data:
             kw[key] = _int(data[key], key, lo=lo)
     for key, lo in (("matchmaking_time", 0.1), ("duration", 1.0), ("leave_timeout", 1.0),
-                    ("loss_tolerance", 0.0), ("loss_abs_tolerance", 0.0)):
+                    ("loss_tolerance", 0.0), ("loss_abs_tolerance", 0.0), ("latency_ms", 0.0)):
         if key in data:
             kw[key] = _num(data[key], key, lo=lo)
     if "links" in data:
@@ -173,7 +187,7 @@ def parse_event(e: Any, where: str) -> Event:
     """
     if not isinstance(e, Mapping):
         raise TraceError(f"{where}: an object with time or step, peer and kind")
-    allowed = {"time", "step", "peer", "peers", "kind", "duration", "rate", "percent"}
+    allowed = {"time", "step", "peer", "peers", "kind", "duration", "rate", "percent", "ms"}
     unknown = sorted(set(e) - allowed)
     if unknown:
         raise TraceError(f"{where}: unknown key(s) {', '.join(unknown)}")
@@ -200,6 +214,8 @@ def parse_event(e: Any, where: str) -> Event:
         kw["rate"] = _rate(e.get("rate"), f"{where}.rate")
     if kind == "loss":
         kw["percent"] = _num(e.get("percent"), f"{where}.percent", lo=0.0, hi=100.0)
+    if kind == "latency":
+        kw["ms"] = _num(e.get("ms"), f"{where}.ms", lo=0.0, hi=60_000.0)
     if kind == "partition":
         side = e.get("peers")
         if not isinstance(side, list) or not side:

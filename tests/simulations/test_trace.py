@@ -68,6 +68,16 @@ def test_step_events_come_first_and_explicit_events_are_kept():
     assert [(e.kind, e.step, e.time) for e in trace.expanded()] == [("join", 3, None), ("kill", None, 5.0)]
 
 
+def test_latency_puts_every_peer_behind_a_proxy_without_namespaces():
+    assert not parse_trace({"seed": 0}).proxied
+    assert parse_trace({"seed": 0, "latency_ms": 0}).proxied  # 0 ms: proxies that delay nothing, still audited
+    trace = parse_trace({"seed": 0, "events": [{"time": 3, "peer": "peer1", "kind": "latency", "ms": 80,
+                                                "duration": 10}]})
+    assert trace.proxied and not trace.links and trace.latency_ms is None
+    assert trace.expanded()[0].to_dict() == dict(kind="latency", time=3.0, peer="peer1", ms=80.0, duration=10.0,
+                                                 source="events[0]")
+
+
 @pytest.mark.parametrize("data, words", [
     ([], "JSON object"),
     ({"peers": 3}, "seed: missing"),
@@ -84,6 +94,9 @@ def test_step_events_come_first_and_explicit_events_are_kept():
     ({"seed": 1, "events": [{"time": 1, "peer": "peer1", "kind": "slow", "rate": "1mbit"}]}, "needs \"links\": true"),
     ({"seed": 1, "events": [{"time": 1, "kind": "pause", "peers": 2}]}, "pause needs a duration"),
     ({"seed": 1, "events": [{"time": 1, "kind": "partition", "peers": []}]}, "partition needs"),
+    ({"seed": 1, "events": [{"time": 1, "peer": "peer1", "kind": "latency"}]}, "events[0].ms: a number"),
+    ({"seed": 1, "events": [{"time": 1, "peer": "peer1", "kind": "latency", "ms": -5}]}, "events[0].ms: must be >= 0"),
+    ({"seed": 1, "latency_ms": "fast"}, "latency_ms: a number"),
     ({"seed": 1, "generators": [{"kind": "mtbf"}]}, "generators[0].mtbf: a number"),
     ({"seed": 1, "generators": [{"kind": "spot", "every": 10, "wave": 1}]}, "unknown key(s) wave"),
     ({"seed": 1, "generators": [{"kind": "meteor"}]}, "generators[0].kind"),
