@@ -118,12 +118,15 @@ def frontier(rec: Record, t: float) -> tuple[int, list[str]]:
 def joiners_reach_current_step(rec: Record) -> tuple[bool, list[str], list[dict]]:
     """Invariant 3, second half: a joiner bootstraps to at least the step the swarm held when it started (unless
     every holder of that step died before it finished downloading), and one alive when the run ended ends at
-    the run's final step. A joiner that exits on an error without bootstrapping while that step was served,
+    the run's final step (one that leaves behind, or that the runner has to stop because it stayed behind after
+    the run finished, fails it). A joiner that exits on an error without bootstrapping while that step was served,
     or is still not bootstrapped ``JOIN_ALLOWANCE`` seconds later, fails it; one the trace killed does not.
     Returns (ok, problems, one row per joiner for the report)."""
     final = max([int(e["step"]) for _, _, e in rec.of(*STATE_EVENTS) if e.get("step") is not None], default=0)
     problems, rows = [], []
     left = {k: t for t, k, _ in rec.of("left")}  # a peer that printed `left` serves no more
+    finished_at = min((t for t, _, e in rec.of("step") if rec.total_steps and int(e.get("step") or 0) >= rec.total_steps),
+                      default=None)  # the first commit of the run's last step
     for life in rec.lives.values():
         if life.initial or life.resumed:
             continue
@@ -155,6 +158,11 @@ def joiners_reach_current_step(rec: Record) -> tuple[bool, list[str], list[dict]
             problems.append(f"{life.key} bootstrapped step {b['step']} < {start_step}, held by live {survivors[0]}")
         if life.ended_by == "finished" and last is not None and last < final:
             problems.append(f"{life.key} was still in the run at its end but stopped at step {last} < {final}")
+        elif life.ended_by == "cleanup" and finished_at is not None and life.start < finished_at \
+                and last is not None and last < final:
+            # the run finished while it was behind, and it neither caught up nor left: stopped by the runner
+            problems.append(f"{life.key} was still running when the run finished but stayed at step {last} < {final} "
+                            f"until the runner stopped it")
     return not problems, problems, rows
 
 

@@ -85,6 +85,23 @@ def test_a_joiner_that_never_bootstraps_fails_and_a_killed_one_is_exempt():
     assert joiners_reach_current_step(rec)[0]
 
 
+def test_a_joiner_left_behind_when_the_run_finished_fails_whether_it_leaves_or_is_stopped():
+    rec = healthy()
+    rec.events = [e for e in rec.events if not (e[1] == "peer2.0" and e[2]["event"] == "step")]  # it stays at 2
+    rec.lives["peer2.0"].end, rec.lives["peer2.0"].ended_by = 70.0, "cleanup"  # never left: the runner stopped it
+    ok, problems, rows = joiners_reach_current_step(rec)
+    assert not ok and "stayed at step 2 < 3 until the runner stopped it" in problems[0]
+    assert rows[0]["last_step"] == 2
+    rec.lives["peer2.0"].ended_by = "finished"  # it left behind
+    ok, problems, _ = joiners_reach_current_step(rec)
+    assert not ok and "stopped at step 2 < 3" in problems[0]
+    rec.lives["peer2.0"].ended_by = "kill"  # the trace killed it: exempt
+    assert joiners_reach_current_step(rec)[0]
+    rec.lives["peer2.0"].ended_by = "cleanup"  # a run that never finished (duration over): not this check's business
+    rec.events = [e for e in rec.events if e[2]["step"] != 3]
+    assert joiners_reach_current_step(rec)[0]
+
+
 def test_cursor_and_finish_and_cleanup_invariants():
     rec = healthy()
     rec.events[-1] = (7.1, "peer2.0", step(3, "c", cursor={**CUR, "blocks_skipped": 2}))
