@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 
+ORDER_NOISE_RUNS = 2  # baselines on other data orders: the loss comparison's noise floor, reported beside it
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m simulations", description="The churn harness: real peers, real faults.",
                                 epilog="exit codes: 0 all invariants held, 1 an invariant failed, 2 bad trace or flag")
@@ -144,6 +147,9 @@ def _finish(folder: Path, trace, rec, *, cleaned: bool, run_id: str, args, out, 
             out("sim", message=f"baseline: {len(ordered)} steps in one process")
             baseline = run_baseline(task=trace.task, sets=trace.sets, seed=trace.seed, samples_per_step=ordered,
                                     eval_steps=sorted(eval_losses(rec)))
+            baseline["other_orders"] = [run_baseline(task=trace.task, sets=trace.sets, seed=trace.seed,
+                                                     samples_per_step=ordered, eval_steps=sorted(eval_losses(rec)),
+                                                     order_shift=k)["eval"] for k in range(1, ORDER_NOISE_RUNS + 1)]
     loss = compare_loss(rec, baseline, rel_tol=trace.loss_tolerance, abs_tol=trace.loss_abs_tolerance)
     invariants, problems = check_all(rec, cleaned=cleaned, loss_ok=loss.get("ok") if baseline else None)
     summary = figures(rec, trace.name, run_id, loss, wall_s)

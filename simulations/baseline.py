@@ -26,8 +26,11 @@ def _blocks(seed: int, n_blocks: int) -> Iterator[int]:
 
 
 def run_baseline(*, task: str, sets: Mapping[str, str], seed: int, samples_per_step: Sequence[int],
-                 eval_steps: Sequence[int], batch_size: int = 64) -> dict:
-    """Train ``len(samples_per_step)`` steps; evaluate at ``eval_steps``.
+                 eval_steps: Sequence[int], batch_size: int = 64, order_shift: int = 0) -> dict:
+    """Train ``len(samples_per_step)`` steps; evaluate at ``eval_steps``. ``order_shift`` > 0 walks another data
+    order (the block permutations of seed + shift) with the same task, initial state and samples per step: how
+    far such a baseline lands from the run's own is the loss comparison's noise floor (a swarm's peers take
+    the blocks of a step in another order than one process does).
 
     Returns:
         ``{"eval": {step: loss}, "train": {step: loss}, "samples": {step: cumulative samples}, "seconds": s}``
@@ -41,7 +44,7 @@ def run_baseline(*, task: str, sets: Mapping[str, str], seed: int, samples_per_s
     model, params = state.model, list(state.model.parameters())
     clip = float(spec.hparams.get("clip_norm", 0.0))
     n_ex, bs = spec.num_examples, spec.block_size
-    order = _blocks(seed, num_blocks(n_ex, bs))
+    order = _blocks(seed + order_shift, num_blocks(n_ex, bs))
     wanted = set(eval_steps)
     out: dict = {"eval": {}, "train": {}, "samples": {}}
     total = 0

@@ -58,3 +58,16 @@ def test_the_runner_refuses_a_pause_when_this_swarmrun_cannot_pause(tmp_path, mo
         runner.Simulation(trace, logs=tmp_path, emit=lambda *a, **k: None)
     monkeypatch.undo()
     assert runner.pause_supported()  # this swarmrun has `node pause` and `--resume-from`
+
+
+def test_the_loss_comparison_reports_the_data_order_noise_beside_the_check():
+    from simulations.report import compare_loss
+
+    rec = healthy()
+    rec.events.append((7.2, "peer0.0", {"event": "eval", "step": 3, "loss": 1.03}))
+    baseline = {"eval": {3: 1.0}, "samples": {3: 192}, "other_orders": [{3: 0.99}, {3: 1.04}]}
+    loss = compare_loss(rec, baseline, rel_tol=0.02, abs_tol=0.0)
+    assert loss["ok"] is False and abs(loss["relative_difference"] - 0.03) < 1e-9  # the check itself is unchanged
+    noise = loss["data_order_noise"]
+    assert noise["losses"] == [0.99, 1.04] and abs(noise["max"] - 0.04) < 1e-9
+    assert "data_order_noise" not in compare_loss(rec, {"eval": {3: 1.0}, "samples": {3: 192}}, rel_tol=0.02, abs_tol=0.0)
