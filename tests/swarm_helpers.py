@@ -82,7 +82,8 @@ class Swarm:
         try:
             return self.peers[name].proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{name} did not exit within {timeout}s: {self.log(name)[-2000:]}") from None
+            others = "".join(f"\n--- {other}: {self.log(other)[-1500:]}" for other in self.peers if other != name)
+            raise AssertionError(f"{name} did not exit within {timeout}s: {self.log(name)[-2000:]}{others}") from None
 
     def log(self, name: str) -> str:
         """The peer's stderr and its last events (for failure messages)."""
