@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ..protocol.access import Certificate, parse_ttl, revoke
-from ..protocol.errors import AccessRefused, RunNotFound, UsageError
+from ..protocol.errors import UsageError
 
 
 def add_parsers(sub, *, epilog: str, swarm_args) -> None:
@@ -145,24 +145,10 @@ def _invite(args, events) -> int:
 
 
 async def _publish_revocation(run_id: str, peers, initial_peers, key, *, undo: bool) -> frozenset[str]:
-    from hivemind import DHT
-
     from .access import AccessGate, publish_revocations
-    from .join import fetch_spec
-    from .swarm import public_key_bytes, record_validator
+    from .swarm import owner_session
 
-    try:
-        dht = await asyncio.to_thread(DHT, initial_peers=list(initial_peers), start=True, client_mode=False,
-                                      host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=15.0,
-                                      record_validators=[record_validator(key)])
-    except Exception as e:
-        raise RunNotFound(f"could not reach any of the peers {', '.join(initial_peers)}: {e}") from None
-    try:
-        signed = await fetch_spec(dht, run_id, timeout=8.0)
-        if signed is None:
-            raise RunNotFound(f"run {run_id!r} was not found at the given peers")
-        if signed.spec.owner_key != public_key_bytes(key):
-            raise AccessRefused(f"only the owner of run {run_id!r} may revoke; the key in this --state-dir is not it")
+    async with owner_session(run_id, initial_peers, key, action="revoke") as (dht, signed):
         gate = AccessGate(signed.spec)
         await gate.refresh(dht)
         revocations = revoke(gate.revocations, run_id=run_id, peers=peers, now=time.time(), signer=key.sign,
@@ -170,5 +156,3 @@ async def _publish_revocation(run_id: str, peers, initial_peers, key, *, undo: b
         await publish_revocations(dht, revocations, signed.spec.owner_key)
         await asyncio.sleep(1.0)  # let the store reach the run's peers before this node leaves
         return revocations.revoked
-    finally:
-        await asyncio.to_thread(dht.shutdown)

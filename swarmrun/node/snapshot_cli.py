@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..protocol.errors import AccessRefused, IncompatibleState, ProtocolError, RunNotFound, SwarmrunError, UsageError
+from ..protocol.errors import IncompatibleState, ProtocolError, RunNotFound, SwarmrunError, UsageError
 
 _FMT = argparse.RawDescriptionHelpFormatter
 
@@ -276,27 +276,15 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
         RunNotFound: run or peers not found. AccessRefused: ``key`` is not the run's owner.
         SwarmrunError: the swarm did not pause within ``timeout``.
     """
-    from hivemind import DHT
     from hivemind.utils.timed_storage import get_dht_time
 
     from ..protocol.snapshot import PauseNote, PauseRecord, pause_key, paused_key
-    from .join import fetch_spec
-    from .swarm import public_key_bytes, record_validator
+    from .swarm import owner_session
     from .trainer import _await, read_subkeys, read_view
 
-    try:  # a full DHT node, not a client: the peers' notes must outlive the peers, which leave right after
-        dht = await asyncio.to_thread(DHT, initial_peers=list(initial_peers), start=True, client_mode=False,
-                                      host_maddrs=list(listen), startup_timeout=15.0,
-                                      record_validators=[record_validator()])
-    except Exception as e:
-        raise RunNotFound(f"could not reach any of the peers {', '.join(initial_peers)}: {e}") from None
-    try:
-        signed = await fetch_spec(dht, run_id, timeout=8.0)
-        if signed is None:
-            raise RunNotFound(f"run {run_id!r} was not found at the given peers")
+    # the session is a full DHT node: the peers' notes must outlive the peers, which leave right after
+    async with owner_session(run_id, initial_peers, key, action="pause it", listen=listen) as (dht, signed):
         spec = signed.spec
-        if public_key_bytes(key) != spec.owner_key:
-            raise AccessRefused(f"only the owner of run {run_id!r} may pause it; --state-dir holds another key")
         view = await read_view(dht, run_id)
         trainers = {p for p, r in view.trainers.items() if not r.finished}
         if not trainers:
@@ -332,5 +320,3 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
             raise SwarmrunError(f"run {run_id!r} stopped at step {written.step} but wrote no snapshot: {written.error}")
         return dict(run_id=run_id, step=written.step, where=written.where, state_hash=written.state_hash,
                     manifest_hash=written.manifest_hash, peers=len(trainers))
-    finally:
-        await asyncio.to_thread(dht.shutdown)

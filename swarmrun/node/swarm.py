@@ -10,6 +10,7 @@ import glob
 import hashlib
 import os
 import socket
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -25,7 +26,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.multiaddr import Multiaddr
 
-from ..protocol.errors import RunNotFound, SwarmrunError, UsageError
+from ..protocol.errors import AccessRefused, RunNotFound, SwarmrunError, UsageError
 
 IDENTITY_FILE = "identity.key"
 
@@ -123,6 +124,37 @@ def subkey_owner(subkey) -> Optional[str]:
         return claimed if peer_id_of(rest[:-1]) == claimed else None
     except Exception:
         return None
+
+
+@asynccontextmanager
+async def owner_session(run_id: str, initial_peers: Sequence[str], key: RSAPrivateKey, *, action: str,
+                        listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)):
+    """A short-lived DHT node for one of the run owner's commands (revoke, pause); yields ``(dht, signed_spec)``.
+
+    A full node, not a client: what it stores must outlive it, and the peers that read it may leave right after.
+
+    Raises:
+        RunNotFound: no peer reachable, or no such run there. AccessRefused: ``key`` is not the run's owner.
+    """
+    import asyncio
+
+    from .join import fetch_spec
+
+    try:
+        dht = await asyncio.to_thread(DHT, initial_peers=list(initial_peers), start=True, client_mode=False,
+                                      host_maddrs=list(listen), startup_timeout=15.0,
+                                      record_validators=[record_validator(key)])
+    except Exception as e:
+        raise RunNotFound(f"could not reach any of the peers {', '.join(initial_peers)}: {e}") from None
+    try:
+        signed = await fetch_spec(dht, run_id, timeout=8.0)
+        if signed is None:
+            raise RunNotFound(f"run {run_id!r} was not found at the given peers")
+        if signed.spec.owner_key != public_key_bytes(key):
+            raise AccessRefused(f"only the owner of run {run_id!r} may {action}; the key in this --state-dir is not it")
+        yield dht, signed
+    finally:
+        await asyncio.to_thread(dht.shutdown)
 
 
 def sweep_stale_sockets(tmp: str = "/tmp") -> int:
