@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from .codec import pack, unpack
+from .codec import pack
 from .errors import RemoteProtocolError
-from .round import _require
+from .round import _message, _require
 
 ACCESS_VERSION = 1
 MAX_CERTIFICATE_BYTES = 8 * 1024
@@ -81,10 +81,7 @@ class Certificate:
     @classmethod
     def decode(cls, data: Any) -> Certificate:
         """Raises: RemoteProtocolError on any fault (the signature is checked by ``admit``)."""
-        _require(isinstance(data, bytes), "a certificate is bytes")
-        d = unpack(data, max_size=MAX_CERTIFICATE_BYTES)
-        _require(isinstance(d, dict) and d.get("type") == "certificate" and d.get("version") == ACCESS_VERSION,
-                 "not a certificate")
+        d = _message(data, "certificate", ACCESS_VERSION, max_size=MAX_CERTIFICATE_BYTES)
         _require(isinstance(d.get("signature"), bytes) and 0 < len(d["signature"]) <= 2048, "bad signature field")
         return cls(run_id=_str(d, "run_id", 64), peer_id=_str(d, "peer_id"), issued_at=_time(d, "issued_at"),
                    expires_at=_time(d, "expires_at"), signature=d["signature"])
@@ -120,10 +117,7 @@ class Revocations:
     @classmethod
     def decode(cls, data: Any) -> Revocations:
         """Raises: RemoteProtocolError on any fault."""
-        _require(isinstance(data, bytes), "a revocation list is bytes")
-        d = unpack(data, max_size=MAX_REVOCATION_BYTES)
-        _require(isinstance(d, dict) and d.get("type") == "revocations" and d.get("version") == ACCESS_VERSION,
-                 "not a revocation list")
+        d = _message(data, "revocations", ACCESS_VERSION, max_size=MAX_REVOCATION_BYTES)
         revoked = d.get("revoked")
         _require(isinstance(revoked, list) and len(revoked) <= MAX_REVOKED
                  and all(isinstance(p, str) and 0 < len(p) <= 128 for p in revoked), "revoked must list peer ids")

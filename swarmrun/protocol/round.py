@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from .codec import pack, unpack
 from .cursor import DataCursor, RangeSet, block_examples, block_order
@@ -42,6 +42,19 @@ def spec_key(run_id: str) -> str:
 def _require(cond: bool, what: str) -> None:
     if not cond:
         raise RemoteProtocolError(what)
+
+
+def _message(data: Any, kind: str, version: int, *, max_size: int) -> dict:
+    """Unpack a bounded msgpack message and check its ``type`` and ``version`` (the header every message has).
+
+    Raises:
+        RemoteProtocolError: not bytes, too large, not a map, another type, or a version this code does not read.
+    """
+    _require(isinstance(data, (bytes, bytearray, memoryview)), f"a {kind} message is bytes")
+    d = unpack(bytes(data), max_size=max_size)
+    _require(isinstance(d, dict) and d.get("type") == kind, f"not a {kind} message")
+    _require(d.get("version") == version, f"unsupported {kind} version {d.get('version')!r}")
+    return d
 
 
 def _int(d: Mapping, key: str, lo: int = 0, hi: int = 2**62) -> int:
@@ -99,9 +112,7 @@ class RoundMeta:
 
     @classmethod
     def decode(cls, data: bytes) -> "RoundMeta":
-        d = unpack(data, max_size=MAX_META_BYTES)
-        _require(isinstance(d, dict) and d.get("type") == "round_meta", "not a round_meta message")
-        _require(d.get("version") == ROUND_VERSION, f"unsupported round_meta version {d.get('version')!r}")
+        d = _message(data, "round_meta", ROUND_VERSION, max_size=MAX_META_BYTES)
         cert = d.get("certificate", b"")
         _require(isinstance(cert, bytes), "certificate must be bytes")
         return cls(
@@ -221,8 +232,7 @@ class Vote:
 
     @classmethod
     def decode(cls, data: bytes) -> "Vote":
-        d = unpack(data, max_size=4096)
-        _require(isinstance(d, dict) and d.get("type") == "vote" and d.get("version") == ROUND_VERSION, "not a vote")
+        d = _message(data, "vote", ROUND_VERSION, max_size=4096)
         _require(isinstance(d.get("ok"), bool), "ok must be a bool")
         return cls(step=_int(d, "step"), group_id=_str(d, "group_id", 128), grad_hash=_str(d, "grad_hash", 128),
                    ok=d["ok"], reason=_str(d, "reason", 200), live=_int(d, "live", 0, 1 << 20) if "live" in d else 0)
@@ -308,9 +318,7 @@ class ProgressReport:
 
     @classmethod
     def decode(cls, data: bytes) -> "ProgressReport":
-        d = unpack(data, max_size=MAX_REPORT_BYTES)
-        _require(isinstance(d, dict) and d.get("type") == "progress" and d.get("version") == ROUND_VERSION,
-                 "not a progress report")
+        d = _message(data, "progress", ROUND_VERSION, max_size=MAX_REPORT_BYTES)
         maddrs = d.get("maddrs", [])
         _require(isinstance(maddrs, list) and all(isinstance(m, str) and len(m) < 512 for m in maddrs), "maddrs")
         _require(d.get("role") in {r.value for r in Role}, "role")
