@@ -45,7 +45,7 @@ class PeerProcess:
 def start_peer(name: str, args: list[str], *, workdir: Path, sink: "queue.Queue",
                prefix: Sequence[str] = (), command: str = "join") -> PeerProcess:
     """Start `node COMMAND ARGS --json` (join, or keep) in its own session; its stdout events go to ``sink`` as
-    (name, event).
+    (name, event) and to ``WORKDIR/NAME.events.jsonl``, its stderr to ``WORKDIR/NAME.log``.
 
     ``prefix`` wraps the command (the churn harness runs peers under ``ip netns exec NS``; that execs, so the
     process group is still the peer's)."""
@@ -55,13 +55,16 @@ def start_peer(name: str, args: list[str], *, workdir: Path, sink: "queue.Queue"
     peer = PeerProcess(name, proc)
 
     def pump():
-        for line in proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            peer.events.append(event)
-            sink.put((name, event))
+        with open(workdir / f"{name}.events.jsonl", "wb") as record:  # kept for a post-mortem of a failed run
+            for line in proc.stdout:
+                record.write(line)
+                record.flush()
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                peer.events.append(event)
+                sink.put((name, event))
         sink.put((name, None))
 
     threading.Thread(target=pump, daemon=True).start()
