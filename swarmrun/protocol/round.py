@@ -409,10 +409,14 @@ def preferred_hash(view: SwarmView, *, step: int, me: str = "") -> Optional[str]
 
 def should_start_round(view: SwarmView, *, me: str, step: int, samples: int, target_batch_size: int) -> bool:
     """Enter matchmaking once the trainers at our step together report at least ``target_batch_size``
-    samples (our own count taken from ``samples``, not from our possibly stale report). Never on an ETA."""
-    if samples <= 0:
-        return False
+    samples (our own count taken from ``samples``, not from our possibly stale report). Never on an ETA.
+
+    A peer with nothing accumulated joins only when the others alone reach the target; it takes part with zero
+    weight (weights are the claimed samples). Without it, a peer holding every block left in a data epoch waits
+    forever for a group that a peer with no block to take never enters."""
     others = sum(r.samples for p, r in view.trainers.items() if r.step == step and p != me)
+    if samples <= 0:
+        return others >= target_batch_size
     return others + samples >= target_batch_size
 
 

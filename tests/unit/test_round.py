@@ -92,7 +92,9 @@ def test_round_starts_on_reported_samples_at_my_step_only():
                               "k": report(3, 900, role=Role.KEEPER)})
     assert not should_start_round(view, me="me", step=3, samples=20, target_batch_size=64)
     assert should_start_round(view, me="me", step=3, samples=24, target_batch_size=64)
-    assert not should_start_round(view, me="me", step=3, samples=0, target_batch_size=1)
+    # with nothing accumulated: only when the others alone reach the target (it joins with zero weight)
+    assert not should_start_round(view, me="me", step=3, samples=0, target_batch_size=41)
+    assert should_start_round(view, me="me", step=3, samples=0, target_batch_size=40)
 
 
 def test_leases_of_other_trainers_at_my_step():
