@@ -7,7 +7,10 @@ import asyncio
 import os
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from .swarm import SwarmConfig
 
 EXIT_CODES = """exit codes:
   0  done (the run finished, --max-steps reached, or the peer was asked to leave)

@@ -13,16 +13,15 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import torch
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
 from ..protocol.cursor import DataCursor
-from ..protocol.errors import IncompatibleState, ProtocolError, RunNotFound, SwarmrunError, UsageError
-from ..protocol.round import Role, spec_key
+from ..protocol.errors import IncompatibleState, ProtocolError, RunNotFound, UsageError
+from ..protocol.round import spec_key
 from ..protocol.spec import SignedSpec, Spec
 from .output import Events, set_log_context
 from .state import RunState
@@ -31,6 +30,9 @@ from .task import Task, TaskError, load_task_class
 from ..protocol.access import MAX_TTL, Certificate
 from .access import AccessGate, read_certificate_file
 from .trainer import Trainer, TrainerConfig, _await, read_providers, read_view
+
+if TYPE_CHECKING:
+    from .snapshot_peer import SnapshotOptions
 
 logger = logging.getLogger("swarmrun.join")
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time

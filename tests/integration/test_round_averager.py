@@ -1,6 +1,5 @@
 """The round on real hivemind averagers on loopback: exact, sample-weighted, identical bits everywhere."""
 
-import concurrent.futures
 import dataclasses
 
 import pytest
