@@ -2,7 +2,7 @@
 
 Layout::
 
-    STORE/chunks/<sha256>                       the bytes of one chunk (shared between snapshots)
+    STORE/chunks/<digest>                       the bytes of one chunk (shared between snapshots)
     STORE/snapshots/<step, 12 digits>.snapshot  the record: manifest, signed spec, amendment history
     STORE/tmp/                                  files being written (renamed into place when complete)
 
@@ -17,7 +17,6 @@ guarantee without fsync.
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import time
@@ -41,7 +40,7 @@ from .state import FrozenState
 logger = logging.getLogger("swarmrun.snapshot")
 TMP_DIR = "tmp"
 STALE_TMP_S = 3600.0  # a temp file this old belongs to a writer that died
-IO_THREADS = 4  # chunks written/read/hashed in parallel (sha256 and file I/O release the GIL)
+IO_THREADS = 4  # chunks written/read/hashed in parallel (hashing and file I/O release the GIL)
 
 
 class Storage:
@@ -306,7 +305,7 @@ class SnapshotStore:
             return ""
 
         def tensor_fault(entry) -> str:
-            ok = hashlib.sha256(view[entry.offset:entry.offset + entry.nbytes]).hexdigest() == entry.digest
+            ok = manifest.verify_tensor(entry, view[entry.offset:entry.offset + entry.nbytes])
             return "" if ok else f"tensor {entry.name} does not match its hash"
 
         with ThreadPoolExecutor(IO_THREADS) as pool:

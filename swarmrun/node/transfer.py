@@ -9,10 +9,10 @@ and keeps a few chunk requests in flight on each; every chunk is verified before
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -22,7 +22,7 @@ from hivemind.p2p import P2P
 
 from ..protocol.cursor import RangeSet
 from ..protocol.errors import IncompatibleState, ProtocolError, RemoteProtocolError
-from ..protocol.manifest import DEFAULT_CHUNK_SIZE, Manifest, build_manifest
+from ..protocol.manifest import DEFAULT_CHUNK_SIZE, Manifest, TensorCheck, build_manifest, manifest_digest
 from ..protocol.transfer import (
     HEADER_PREFIX,
     Chunk,
@@ -37,10 +37,12 @@ from ..protocol.transfer import (
     protocol_name,
 )
 from . import faults
-from .state import _DTYPES, FrozenState, tensor_bytes
+from .receive import Download, Frames, Verifier
+from .state import _DTYPES, FrozenState, alloc_buffer, prefault, tensor_bytes
 
 logger = logging.getLogger("swarmrun.transfer")
 
+PREFAULT_MIN_BYTES = 16 << 20  # a smaller object's pages are left to the page faults of its first write
 Admit = Callable[[Open, str], Optional[str]]  # (request, remote peer id) -> refusal reason, or None to admit
 
 
@@ -275,11 +277,17 @@ class FetchFailed(IncompatibleState):
 
 @dataclass
 class Partial:
-    """A download in progress (kept to resume it): the manifest and the chunks that verified."""
+    """A download in progress (kept to resume it): the manifest, the object's buffer, the chunks whose verified
+    bytes are in it, and the tensor check, which has seen those chunks."""
 
     manifest: Manifest
-    data: bytearray
+    data: memoryview
     have: set[int] = field(default_factory=set)
+    check: Optional[TensorCheck] = None
+
+    def __post_init__(self) -> None:
+        if self.check is None:
+            self.check = TensorCheck(self.manifest)
 
 
 @dataclass
@@ -292,7 +300,8 @@ class FetchStats:
 
 
 class Fetcher:
-    """Downloads objects from many providers at once, verifying every chunk; keeps partial downloads to resume.
+    """Downloads objects from many providers at once, verifying every chunk and tensor; keeps partial downloads to
+    resume.
 
     Args:
         p2p: this peer's P2P (a replica of the DHT's).
@@ -310,9 +319,12 @@ class Fetcher:
 
     async def fetch(self, manifest_hash: str, providers: Sequence[str], *, deadline: float,
                     progress: Optional[Callable[[int, int, int], None]] = None) -> tuple[FrozenState, FetchStats]:
-        """Fetch the object ``manifest_hash`` from ``providers`` (peer ids, base58), verified.
+        """Fetch the object ``manifest_hash`` from ``providers`` (peer ids, base58), verified: every chunk against
+        its digest, and every tensor against its digest (as the chunks arrive, in state order).
 
-        ``progress(new_bytes, bytes_total, providers_active)`` is called as each verified chunk arrives.
+        ``progress(new_bytes, bytes_total, providers_active)`` is called as each verified chunk arrives. The object
+        returned is this peer's alone (its buffer is nobody else's): ``RunState.apply_frozen(..., adopt=True)``
+        may keep it.
 
         Raises:
             FetchFailed: every provider failed or lied, or ``deadline`` (time.monotonic) passed; what verified
@@ -323,110 +335,117 @@ class Fetcher:
         providers = [p for p in providers if p not in self.banned]
         if not providers:
             raise FetchFailed(f"no provider of {manifest_hash[:12]} left to ask (every one announced lied before)")
-        partial = self.partials.get(manifest_hash)
-        plan: Optional[TransferPlan] = None
-        if partial is not None:
-            plan = TransferPlan(len(partial.manifest.chunks), have=partial.have)
-            stats.resumed_chunks = len(partial.have)
-        state = dict(partial=partial, plan=plan)
-        manifest_ready = asyncio.Event()
-        if partial is not None:
-            manifest_ready.set()
         banned: set[str] = set()
         active: set[str] = set()
+        manifest_ready = asyncio.Event()
+        state: dict[str, Any] = {"download": None}
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()  # set when every chunk verified
 
-        def set_manifest(manifest: Manifest) -> None:
-            if state["partial"] is None:
-                state["partial"] = self.partials.setdefault(
-                    manifest_hash, Partial(manifest, bytearray(manifest.total_bytes)))
-                state["plan"] = TransferPlan(len(manifest.chunks))
-                for p in providers:
-                    state["plan"].add_provider(p)
-                manifest_ready.set()
-
-        if plan is not None:
+        def start(partial: Partial) -> None:
+            plan = TransferPlan(len(partial.manifest.chunks), have=partial.have)
             for p in providers:
                 plan.add_provider(p)
+            verifier = Verifier(loop, partial.manifest, partial.check)
+            state["download"] = Download(partial, plan, verifier, progress, active, finished)
+            manifest_ready.set()
+
+        def set_manifest(manifest: Manifest) -> None:
+            if state["download"] is None:
+                buffer = alloc_buffer(manifest.total_bytes)
+                if manifest.total_bytes >= PREFAULT_MIN_BYTES:  # its pages mapped ahead of the bytes, off the loop
+                    threading.Thread(target=prefault, args=(buffer,), name="swarmrun-prefault", daemon=True).start()
+                start(self.partials.setdefault(manifest_hash, Partial(manifest, buffer)))
+
+        if manifest_hash in self.partials:
+            stats.resumed_chunks = len(self.partials[manifest_hash].have)
+            start(self.partials[manifest_hash])
 
         async def work(provider: str) -> None:
             try:
-                await self._work(provider, manifest_hash, state, set_manifest, manifest_ready, banned, active, stats,
-                                 progress)
+                await self._work(provider, manifest_hash, state, set_manifest, manifest_ready, banned, active)
             finally:
                 active.discard(provider)
 
         tasks = [asyncio.create_task(work(p)) for p in providers]
         try:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if deadline <= time.monotonic():
                 raise FetchFailed("no time left to fetch the state")
-            done, pending = await asyncio.wait(tasks, timeout=remaining)
+            while not finished.done() and time.monotonic() < deadline:
+                running = [t for t in tasks if not t.done()]
+                if not running:
+                    break
+                await asyncio.wait(running + [finished], timeout=deadline - time.monotonic(),
+                                   return_when=asyncio.FIRST_COMPLETED)
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        partial, plan = state["partial"], state["plan"]
+            download = state["download"]
+            if download is not None:
+                await download.settle()
+                download.verifier.close()
         stats.seconds = time.monotonic() - t0
-        stats.banned = sorted(banned)
-        self.banned |= banned
-        if plan is None or not plan.finished:
+        stats.banned = sorted(banned | (set(download.lied) if download is not None else set()))
+        self.banned |= set(stats.banned)
+        if download is None or not download.plan.finished:
             why = ("no provider sent the manifest (unreachable, refused, or it did not match the announced hash)"
-                   if plan is None else f"{len(partial.have)}/{plan.num_chunks} chunks verified, then every provider "
-                   "failed or lied" if time.monotonic() < deadline else "the deadline passed")
+                   if download is None else f"{len(download.partial.have)}/{download.plan.num_chunks} chunks verified, "
+                   "then every provider failed or lied" if time.monotonic() < deadline else "the deadline passed")
             raise FetchFailed(f"could not fetch {manifest_hash[:12]} from {len(providers)} provider(s): {why}")
+        partial, plan = download.partial, download.plan
+        del self.partials[manifest_hash]
+        if not partial.check.done or partial.check.faults:
+            # every chunk verified, so the manifest itself describes other tensors than its chunks hold
+            raise FetchFailed(f"{manifest_hash[:12]}: {(partial.check.faults or ['tensor check incomplete'])[0]}")
         stats.by_provider = plan.received_by()
         stats.bytes = sum(stats.by_provider.values())
-        frozen = FrozenState(manifest=partial.manifest, data=memoryview(partial.data).toreadonly())
-        del self.partials[manifest_hash]
-        return frozen, stats
+        return FrozenState(manifest=partial.manifest, data=partial.data.toreadonly()), stats
 
     async def _work(self, provider: str, manifest_hash: str, state: dict, set_manifest, manifest_ready,
-                    banned: set[str], active: set[str], stats: FetchStats, progress) -> None:
+                    banned: set[str], active: set[str]) -> None:
         """One provider's stream: open, get the manifest, then keep ``window`` chunk requests in flight."""
         failures = 0
         while True:
-            plan: Optional[TransferPlan] = state["plan"]
-            if plan is not None and (plan.finished or not plan.usable(provider)):
+            download: Optional[Download] = state["download"]
+            if download is not None and (download.plan.finished or not download.plan.usable(provider)):
                 return
             try:
-                await self._session(provider, manifest_hash, state, set_manifest, manifest_ready, active, progress)
+                await self._session(provider, manifest_hash, state, set_manifest, manifest_ready, active)
             except _Lied as e:
                 logger.warning(f"provider {provider[-8:]} lied ({e}); not asking it again")
                 banned.add(provider)
-                if state["plan"] is not None:
-                    state["plan"].provider_lied(provider)
+                if state["download"] is not None:
+                    state["download"].plan.provider_lied(provider)
                 return
             except _Busy:
                 await asyncio.sleep(0.5)
                 continue
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, ProtocolError, OSError,
-                    _Refused, Exception) as e:
+            except (asyncio.TimeoutError, ConnectionError, ProtocolError, OSError, _Refused, Exception) as e:
                 failures += 1
                 logger.debug(f"provider {provider[-8:]} failed: {type(e).__name__}: {e}")
-                if state["plan"] is not None:
-                    state["plan"].provider_failed(provider)
+                if state["download"] is not None:
+                    state["download"].plan.provider_failed(provider)
+                    state["download"]._notify()
                 elif failures >= 3:
                     return
                 await asyncio.sleep(min(2.0, 0.2 * failures))
-            plan = state["plan"]
-            if plan is not None and plan.finished:
-                return
 
     async def _session(self, provider: str, manifest_hash: str, state: dict, set_manifest, manifest_ready,
-                       active: set[str], progress) -> None:
+                       active: set[str]) -> None:
         peer = PeerID.from_base58(provider)
-        _, reader, writer = await asyncio.wait_for(
+        _, _, writer = await asyncio.wait_for(
             self.p2p.call_binary_stream_handler(peer, protocol_name(self.run_id)), self.chunk_timeout)
+        stream = Frames(writer.transport)  # before anything is asked, so no byte of an answer is read elsewhere
+        download: Optional[Download] = None
         try:
-            await _write(writer, Open(spec_hash=self.spec_hash, manifest_hash=manifest_hash,
-                                      credentials=self.credentials).encode())
-            reply = await asyncio.wait_for(_read_header(reader), self.chunk_timeout)
+            stream.write(frame(Open(spec_hash=self.spec_hash, manifest_hash=manifest_hash,
+                                    credentials=self.credentials).encode()))
+            reply = await stream.next_message(self.chunk_timeout)
             if isinstance(reply, Refused):
                 raise _Busy() if reply.busy else _Refused(reply.reason)
-            if not isinstance(reply, Opened):
-                raise _Lied("expected opened")
-            encoded = await asyncio.wait_for(reader.readexactly(reply.size), self.chunk_timeout)
-            if hashlib.sha256(encoded).hexdigest() != manifest_hash:
+            _, encoded = reply
+            if manifest_digest(encoded) != manifest_hash:
                 raise _Lied("its manifest does not match the announced hash")
             try:
                 manifest = Manifest.decode(encoded)
@@ -436,10 +455,11 @@ class Fetcher:
                 raise _Lied("its manifest belongs to another run")
             set_manifest(manifest)
             await manifest_ready.wait()
-            partial: Partial = state["partial"]
-            plan: TransferPlan = state["plan"]
+            download = state["download"]
+            plan = download.plan
+            download.streams[provider] = stream
             active.add(provider)
-            asked: list[int] = []
+            asked: deque[int] = deque()
 
             def ask_more() -> None:
                 while len(asked) < self.window:
@@ -447,36 +467,46 @@ class Fetcher:
                     if index is None:
                         return
                     asked.append(index)
-                    writer.write(frame(Get(index=index).encode()))
+                    stream.write(frame(Get(index=index).encode()))
 
-            ask_more()
-            await writer.drain()
-            while asked:
-                reply = await asyncio.wait_for(_read_header(reader), self.chunk_timeout)
-                if isinstance(reply, Refused):
-                    raise _Refused(reply.reason)
-                if not isinstance(reply, Chunk) or reply.index != asked[0]:
+            def target(chunk: Chunk) -> tuple[memoryview, bool]:
+                if not asked or chunk.index != asked[0]:
                     raise _Lied("answered out of order")
-                index = asked.pop(0)
-                data = await asyncio.wait_for(reader.readexactly(reply.size), self.chunk_timeout)
-                ask_more()  # keep the stream busy while this chunk is verified
-                drain = asyncio.ensure_future(writer.drain())
-                ok = await asyncio.to_thread(partial.manifest.verify_chunk, index, data)
-                await drain
-                if not ok:
-                    plan.chunk_bad(provider, index)
-                    raise _Lied(f"chunk {index} did not verify")
-                if plan.chunk_ok(provider, index, len(data)):
-                    start, end = partial.manifest.chunk_range(index)
-                    partial.data[start:end] = data
-                    partial.have.add(index)
-                    if progress is not None:
-                        progress(len(data), partial.manifest.total_bytes, len(active))
-                if plan.finished:
-                    return
+                start, end = download.partial.manifest.chunk_range(chunk.index)
+                if chunk.size != end - start:
+                    raise _Lied(f"chunk {chunk.index} has the wrong size")
+                asked.popleft()
+                return download.target(provider, chunk.index)
+
+            def on_chunk(index: int, view: memoryview, own: bool) -> None:
+                download.received(provider, index, view, own)
+                ask_more()  # at once, from the callback: the stream never waits for this task to run
+
+            stream.target, stream.on_chunk = target, on_chunk
+            while not plan.finished:
+                ask_more()
+                if not asked:  # nothing for this provider now; a verdict may put chunks back in the queue
+                    await download.changed(self.chunk_timeout)
+                    continue
+                await stream.wait(self.chunk_timeout)
+                refusal = stream.message()
+                if isinstance(refusal, Refused):
+                    raise _Refused(refusal.reason)
+        except (asyncio.TimeoutError, ConnectionError, ProtocolError, OSError) as e:
+            if download is not None and provider in download.lied:
+                raise _Lied(download.lied[provider]) from None
+            if isinstance(stream.error, _Lied):
+                raise stream.error from None
+            raise e
         finally:
             active.discard(provider)
-            writer.close()
+            stream.close()
+            if download is not None:
+                if download.streams.get(provider) is stream:
+                    del download.streams[provider]
+                if stream.current is not None:
+                    download.interrupted(stream.current[0], stream.current[2])
+                    stream.current = None
 
 
 class _Lied(Exception):

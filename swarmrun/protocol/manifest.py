@@ -7,16 +7,26 @@ digests and the non-tensor training ``content`` (cursor, RNG, scheduler, ...).
 
 ``state_hash`` identifies the training content only (independent of chunking,
 ``info`` and certificates); ``manifest_hash`` identifies these exact bytes.
+
+Every digest of the format (chunks, tensors, ``state_hash``, ``manifest_hash``)
+is BLAKE3 (256 bits, 64 hex digits): about 4.5x cheaper per byte than sha256
+on one core, which is most of what a joiner and a committing trainer spend on
+a state. Version 1 used sha256; its data is refused, not converted.
+
+``TensorCheck`` checks the tensor digests from the chunks as they arrive, so a
+joiner hashes each byte of a state twice (chunk and tensor digest) while it
+downloads, instead of a second pass over the whole state afterwards.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from blake3 import blake3
 
 from swarmrun.protocol.codec import normalize, pack, unpack
 from swarmrun.protocol.cursor import DataCursor
@@ -24,10 +34,10 @@ from swarmrun.protocol.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "MANIFEST_VERSION", "DEFAULT_CHUNK_SIZE", "MAX_CHUNK_SIZE", "ALLOWED_DTYPES", "DTYPE_ITEMSIZE",
-    "TensorEntry", "Manifest", "build_manifest",
+    "TensorEntry", "Manifest", "TensorCheck", "build_manifest", "digest",
 ]
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: BLAKE3 digests (1: sha256)
 DEFAULT_CHUNK_SIZE = 1 << 20
 MAX_CHUNK_SIZE = 1 << 26  # a chunk travels as one message
 MAX_MANIFEST_SIZE = 64 * 2**20
@@ -46,6 +56,14 @@ _MANIFEST_KEYS = frozenset({
 _TENSOR_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes", "digest"})
 
 
+_PIECE = 1 << 20  # build_manifest hashes at most this many bytes at a time into both digests (stays in cache)
+
+
+def digest(data: Any) -> str:
+    """Return the digest of the state format (BLAKE3, 64 lowercase hex digits) of a bytes-like object."""
+    return blake3(data).hexdigest()
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -56,7 +74,7 @@ def _is_digest(value: Any) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class TensorEntry:
-    """One tensor of a state: where its bytes lie and their sha256 ``digest``.
+    """One tensor of a state: where its bytes lie and their ``digest``.
 
     Raises:
         LocalProtocolError: a field is invalid, or ``nbytes`` differs from
@@ -176,14 +194,19 @@ class Manifest:
         return start, min(start + self.chunk_size, self.total_bytes)
 
     def verify_chunk(self, index: int, data: bytes) -> bool:
-        """Return True when ``data`` is exactly chunk ``index`` (length and sha256).
+        """Return True when ``data`` is exactly chunk ``index`` (length and digest).
 
         Raises:
             IndexError: ``index`` is not a chunk of this manifest.
         """
         start, end = self.chunk_range(index)
         view = memoryview(data).cast("B")
-        return view.nbytes == end - start and hashlib.sha256(view).hexdigest() == self.chunks[index]
+        return view.nbytes == end - start and digest(view) == self.chunks[index]
+
+    def verify_tensor(self, entry: TensorEntry, data: bytes) -> bool:
+        """Return True when ``data`` is exactly the bytes of tensor ``entry`` (length and digest)."""
+        view = memoryview(data).cast("B")
+        return view.nbytes == entry.nbytes and digest(view) == entry.digest
 
     def state_hash(self) -> str:
         """Return the hash of the training content: spec hash, step, content, tensors.
@@ -191,11 +214,11 @@ class Manifest:
         Independent of chunking, ``info`` and certificates.
         """
         tensors = [[t.name, t.dtype, list(t.shape), t.digest] for t in self.tensors]
-        return hashlib.sha256(pack([self.spec_hash, self.step, self.content, tensors])).hexdigest()
+        return digest(pack([self.spec_hash, self.step, self.content, tensors]))
 
     def manifest_hash(self) -> str:
-        """Return the sha256 hex digest of ``encode()``: the identity of this manifest."""
-        return hashlib.sha256(self.encode()).hexdigest()
+        """Return the digest of ``encode()``: the identity of this manifest."""
+        return manifest_digest(self.encode())
 
     def encode(self) -> bytes:
         """Return the deterministic msgpack encoding."""
@@ -220,10 +243,15 @@ class Manifest:
             RemoteProtocolError: on any fault; never any other exception.
         """
         d = unpack(data, max_size=max_size)
+        if isinstance(d, dict) and d.get("type") == "manifest" and d.get("version") != MANIFEST_VERSION:
+            # checked first: an older version may have other keys
+            raise RemoteProtocolError(
+                f"manifest version {d.get('version')!r} is not supported: this swarmrun reads version "
+                f"{MANIFEST_VERSION} only (BLAKE3 digests); state written by an older swarmrun cannot be used")
         if not isinstance(d, dict) or set(d) != _MANIFEST_KEYS:
             raise RemoteProtocolError(f"manifest must be a map with keys {sorted(_MANIFEST_KEYS)}")
-        if d["type"] != "manifest" or d["version"] != MANIFEST_VERSION:
-            raise RemoteProtocolError(f"unsupported message {d['type']!r} version {d['version']!r}")
+        if d["type"] != "manifest":
+            raise RemoteProtocolError(f"unsupported message {d['type']!r}")
         for key in ("tensors", "chunks", "certificates"):
             if not isinstance(d[key], list):
                 raise RemoteProtocolError(f"manifest {key} must be a list")
@@ -274,26 +302,100 @@ def build_manifest(
         raise LocalProtocolError(f"chunk_size must be in (0, {MAX_CHUNK_SIZE}], got {chunk_size!r}")
     entries: list[TensorEntry] = []
     chunks: list[str] = []
-    chunk_hash, filled, offset = hashlib.sha256(), 0, 0
+    chunk_hash, filled, offset = blake3(), 0, 0
     for name, dtype, shape, data in tensors:
         try:
             view = memoryview(data).cast("B")
         except (TypeError, ValueError) as exc:
             raise LocalProtocolError(f"tensor {name}: data is not a contiguous buffer: {exc}") from None
-        entries.append(TensorEntry(name=name, dtype=dtype, shape=tuple(shape), offset=offset,
-                                   nbytes=view.nbytes, digest=hashlib.sha256(view).hexdigest()))
-        offset += view.nbytes
-        # stream the bytes into chunk hashes without concatenating the tensors
-        pos = 0
+        # one read of the bytes feeds both digests: each piece is hashed into the tensor's and its chunk's
+        # digest while it is in cache; chunks span tensor boundaries, so the chunk hasher carries over
+        tensor_hash, pos = blake3(), 0
         while pos < view.nbytes:
-            take = min(chunk_size - filled, view.nbytes - pos)
-            chunk_hash.update(view[pos:pos + take])
+            take = min(chunk_size - filled, view.nbytes - pos, _PIECE)
+            piece = view[pos:pos + take]
+            tensor_hash.update(piece)
+            chunk_hash.update(piece)
             filled += take
             pos += take
             if filled == chunk_size:
                 chunks.append(chunk_hash.hexdigest())
-                chunk_hash, filled = hashlib.sha256(), 0
+                chunk_hash, filled = blake3(), 0
+        entries.append(TensorEntry(name=name, dtype=dtype, shape=tuple(shape), offset=offset,
+                                   nbytes=view.nbytes, digest=tensor_hash.hexdigest()))
+        offset += view.nbytes
     if filled:
         chunks.append(chunk_hash.hexdigest())
     return Manifest(spec_hash=spec_hash, step=step, tensors=tuple(entries), chunk_size=chunk_size,
                     chunks=tuple(chunks), content=content, info=dict(info or {}))
+
+
+def manifest_digest(encoded: bytes) -> str:
+    """The identity of a manifest from its encoded bytes (what a joiner checks before decoding them)."""
+    return digest(encoded)
+
+
+class TensorCheck:
+    """Checks a state's tensor digests from its chunks, given in any order, hashing each byte once, in state order.
+
+    A joiner hands it each chunk that verified against its chunk digest; a chunk that arrives before the bytes
+    ahead of it is held (a reference to the caller's buffer, not a copy: those bytes must not change until the
+    check has passed them) and hashed once the gap closes. Not thread-safe: one thread feeds it.
+
+    Attributes:
+        faults: the tensors whose bytes did not match their digest (with verified chunks: the manifest does not
+            describe its own chunks).
+    """
+
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+        self.faults: list[str] = []
+        self._held: dict[int, memoryview] = {}
+        self._next_chunk = 0
+        self._pos = 0  # bytes of the state hashed so far
+        self._tensor = 0  # the tensor being hashed
+        self._hasher = blake3()
+        self._close_finished()
+
+    @property
+    def done(self) -> bool:
+        """Every tensor was checked (``faults`` is final)."""
+        return self._tensor == len(self.manifest.tensors)
+
+    def add(self, index: int, data: Any) -> None:
+        """Chunk ``index``'s bytes (verified); a chunk given twice is ignored.
+
+        Raises:
+            IndexError: ``index`` is not a chunk of the manifest. ValueError: ``data`` has the wrong length.
+        """
+        start, end = self.manifest.chunk_range(index)
+        view = memoryview(data).cast("B")
+        if view.nbytes != end - start:
+            raise ValueError(f"chunk {index} has {view.nbytes} bytes, expected {end - start}")
+        if index < self._next_chunk or index in self._held:
+            return
+        self._held[index] = view
+        while self._next_chunk in self._held:
+            self._hash_chunk(self._next_chunk, self._held.pop(self._next_chunk))
+            self._next_chunk += 1
+
+    def _hash_chunk(self, index: int, view: memoryview) -> None:
+        start = index * self.manifest.chunk_size
+        end = start + view.nbytes
+        tensors = self.manifest.tensors
+        while self._pos < end:
+            entry = tensors[self._tensor]
+            take = min(entry.offset + entry.nbytes, end) - self._pos
+            self._hasher.update(view[self._pos - start:self._pos - start + take])
+            self._pos += take
+            self._close_finished()
+
+    def _close_finished(self) -> None:
+        """Finish every tensor that ends at the current position (empty ones included)."""
+        tensors = self.manifest.tensors
+        while self._tensor < len(tensors) and tensors[self._tensor].offset + tensors[self._tensor].nbytes == self._pos:
+            entry = tensors[self._tensor]
+            if self._hasher.hexdigest() != entry.digest:
+                self.faults.append(f"tensor {entry.name} does not match its hash")
+            self._tensor += 1
+            self._hasher = blake3()

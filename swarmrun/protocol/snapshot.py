@@ -1,7 +1,7 @@
 """Snapshots, sans-IO: the snapshot record, owner-signed amendments and pause records, and the decisions
 of who writes a snapshot and when (pure functions with an injected clock).
 
-A snapshot store holds ``chunks/<sha256>`` (content-addressed, shared between snapshots) and one record
+A snapshot store holds ``chunks/<digest>`` (content-addressed, shared between snapshots) and one record
 per snapshot, ``snapshots/<step>.snapshot``, written last: the record holds the manifest, the run's
 signed spec and the spec's amendment history, so a snapshot depends on nothing of the swarm that wrote it.
 """

@@ -25,7 +25,7 @@ from .errors import RemoteProtocolError
 from .manifest import MAX_CHUNK_SIZE, MAX_MANIFEST_SIZE
 from .round import _float, _int, _require  # one set of field validators for every message
 
-TRANSFER_VERSION = 1
+TRANSFER_VERSION = 2  # 2: manifests of version 2 (BLAKE3 digests) behind the same messages
 MAX_HEADER_BYTES = 4096
 MAX_RECORD_BYTES = 16 * 1024
 MAX_LOG_ANNOUNCED = 64  # step records one provider announces
@@ -235,7 +235,8 @@ def header_length(prefix: bytes) -> int:
 
 @dataclass
 class _Provider:
-    inflight: set[int] = field(default_factory=set)
+    inflight: set[int] = field(default_factory=set)  # asked, not received yet
+    verifying: set[int] = field(default_factory=set)  # received, being verified
     failures: int = 0
     banned: bool = False  # sent bytes that did not verify: never asked again
     dropped: bool = False  # failed too often
@@ -248,7 +249,9 @@ class TransferPlan:
     Chunks are handed out lowest first; a chunk held by a provider that fails goes back to the queue; a
     provider whose chunk does not verify is banned (it lied or is broken) and its chunks go back too. When the
     queue is empty and chunks are still in flight, an idle provider may ask for one of them a second time (the
-    end of a transfer does not wait for the slowest provider); the first verified copy wins.
+    end of a transfer does not wait for the slowest provider); the first verified copy wins. A chunk received and
+    being verified (``chunk_received``) is not asked again meanwhile: its verdict comes, whatever happens to the
+    stream it came on.
 
     Args:
         num_chunks: chunks of the object.
@@ -285,6 +288,9 @@ class TransferPlan:
     def _inflight_anywhere(self) -> set[int]:
         return set().union(*(p.inflight for p in self.providers.values())) if self.providers else set()
 
+    def _verifying_anywhere(self) -> set[int]:
+        return set().union(*(p.verifying for p in self.providers.values())) if self.providers else set()
+
     # -- events
     def next_chunk(self, provider: str) -> Optional[int]:
         """The next chunk ``provider`` should send, or None (nothing left for it now)."""
@@ -297,17 +303,25 @@ class TransferPlan:
             if index not in self.done:
                 p.inflight.add(index)
                 return index
-        # end game: duplicate a chunk another provider is still working on
-        others = sorted(self._inflight_anywhere() - p.inflight - self.done)
+        # end game: duplicate a chunk another provider is still sending
+        others = sorted(self._inflight_anywhere() - p.inflight - self._verifying_anywhere() - self.done)
         if others:
             p.inflight.add(others[0])
             return others[0]
         return None
 
+    def chunk_received(self, provider: str, index: int) -> None:
+        """``provider`` sent chunk ``index``; its verdict (``chunk_ok`` or ``chunk_bad``) comes later."""
+        p = self.providers[provider]
+        p.inflight.discard(index)
+        if index not in self.done:
+            p.verifying.add(index)
+
     def chunk_ok(self, provider: str, index: int, size: int) -> bool:
         """``provider`` sent chunk ``index`` and it verified. Returns False for a duplicate (already done)."""
         p = self.providers[provider]
         p.inflight.discard(index)
+        p.verifying.discard(index)
         p.failures = 0
         new = index not in self.done
         if new:
@@ -321,10 +335,14 @@ class TransferPlan:
         """``provider`` sent chunk ``index`` and it did not verify: ban the provider, re-queue its chunks."""
         p = self.providers[provider]
         p.banned = True
+        if index in p.verifying:
+            p.verifying.discard(index)
+            p.inflight.add(index)  # re-queued below with the others (unless another copy is on its way)
         self._requeue(p)
 
     def provider_failed(self, provider: str) -> None:
-        """A timeout, a broken stream or a refusal: re-queue its chunks; drop it after ``max_failures``."""
+        """A timeout, a broken stream or a refusal: re-queue the chunks it had not sent yet; drop it after
+        ``max_failures``."""
         p = self.providers[provider]
         p.failures += 1
         if p.failures >= self.max_failures:
@@ -336,7 +354,7 @@ class TransferPlan:
         self.chunk_bad(provider, -1)
 
     def _requeue(self, p: _Provider) -> None:
-        held_elsewhere = set().union(*(o.inflight for o in self.providers.values() if o is not p))
+        held_elsewhere = set().union(*(o.inflight | o.verifying for o in self.providers.values() if o is not p))
         for index in p.inflight:
             if index not in self.done and index not in self._queued and index not in held_elsewhere:
                 heapq.heappush(self._queue, index)

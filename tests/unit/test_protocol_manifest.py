@@ -4,13 +4,15 @@ import dataclasses
 import hashlib
 
 import pytest
+from blake3 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmrun.protocol.codec import pack, unpack
 from swarmrun.protocol.cursor import DataCursor, RangeSet
 from swarmrun.protocol.errors import LocalProtocolError, RemoteProtocolError
-from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE, Manifest, TensorEntry, build_manifest
+from swarmrun.protocol.manifest import (DEFAULT_CHUNK_SIZE, MANIFEST_VERSION, Manifest, TensorCheck, TensorEntry,
+                                        build_manifest, digest, manifest_digest)
 
 FAST = settings(max_examples=200, deadline=None)
 SPEC_HASH = hashlib.sha256(b"spec").hexdigest()
@@ -40,9 +42,11 @@ def test_layout_and_chunks():
     blob = state_bytes()
     for i in range(len(m.chunks)):
         start, end = m.chunk_range(i)
-        assert m.chunks[i] == hashlib.sha256(blob[start:end]).hexdigest()
+        assert m.chunks[i] == blake3(blob[start:end]).hexdigest() == digest(blob[start:end])
         assert m.verify_chunk(i, blob[start:end])
-    assert m.tensors[0].digest == hashlib.sha256(bytes(range(24))).hexdigest()
+    assert m.tensors[0].digest == blake3(bytes(range(24))).hexdigest()
+    assert m.verify_tensor(m.tensors[0], bytes(range(24))) and not m.verify_tensor(m.tensors[0], bytes(24))
+    assert m.manifest_hash() == manifest_digest(m.encode()) == blake3(m.encode()).hexdigest()
     with pytest.raises(IndexError):
         m.chunk_range(5)
 
@@ -74,7 +78,16 @@ def test_state_hash_independent_of_chunking_info_and_certificates(a, b):
 
 
 def test_default_chunk_size():
-    assert make(chunk_size=DEFAULT_CHUNK_SIZE).chunks == (hashlib.sha256(state_bytes()).hexdigest(),)
+    assert make(chunk_size=DEFAULT_CHUNK_SIZE).chunks == (blake3(state_bytes()).hexdigest(),)
+
+
+def test_large_tensors_hash_in_pieces_like_whole():
+    big = bytes(range(256)) * 9000  # > 2 MiB: several pieces, across chunk boundaries
+    ts = [("a", "uint8", (len(big),), big), ("b", "uint8", (3,), b"xyz")]
+    m = make(ts=ts, chunk_size=(1 << 20) + 17)
+    assert m.tensors[0].digest == blake3(big).hexdigest()
+    blob = big + b"xyz"
+    assert all(m.chunks[i] == blake3(blob[slice(*m.chunk_range(i))]).hexdigest() for i in range(len(m.chunks)))
 
 
 @FAST
@@ -133,7 +146,7 @@ def _tamper_tensor(field, value):
 
 @pytest.mark.parametrize("mutate", [
     _tamper("type", "spec"),
-    _tamper("version", 2),
+    _tamper("version", MANIFEST_VERSION + 1),
     _tamper("spec_hash", "x" * 64),
     _tamper("spec_hash", SPEC_HASH.upper()),
     _tamper("step", -1),
@@ -184,6 +197,49 @@ def test_decode_rejects_truncated_oversized_and_deep():
         Manifest.decode(pack(deep))
     with pytest.raises(RemoteProtocolError):
         Manifest.decode("not bytes")
+
+
+def test_version_1_is_refused_with_a_clear_error():
+    d = unpack(make().encode())
+    d["version"] = 1
+    with pytest.raises(RemoteProtocolError, match="version 1 is not supported.*older swarmrun"):
+        Manifest.decode(pack(d))
+    with pytest.raises(LocalProtocolError, match="version"):
+        dataclasses.replace(make(), version=1)
+
+
+@FAST
+@given(st.integers(1, 12), st.randoms(use_true_random=False), st.integers(0, 2))
+def test_tensor_check_in_any_order_matches_the_digests(chunk_size, rnd, repeats):
+    m = make(chunk_size=chunk_size)
+    blob = state_bytes()
+    order = list(range(len(m.chunks))) * (1 + repeats)  # a chunk given twice is ignored
+    rnd.shuffle(order)
+    check = TensorCheck(m)
+    for n, i in enumerate(order):
+        check.add(i, blob[slice(*m.chunk_range(i))])
+        assert check.done == set(range(len(m.chunks))).issubset(order[:n + 1])
+    assert check.faults == []
+
+
+def test_tensor_check_names_the_tensor_a_lying_manifest_describes_wrongly():
+    m = make(chunk_size=4)
+    blob = bytearray(state_bytes())
+    blob[25] ^= 1  # in layer.bias; chunk digests recomputed over these bytes, tensor digests kept: a lying manifest
+    liar = dataclasses.replace(m, chunks=tuple(blake3(bytes(blob[slice(*m.chunk_range(i))])).hexdigest()
+                                               for i in range(len(m.chunks))))
+    check = TensorCheck(liar)
+    for i in reversed(range(len(m.chunks))):
+        assert not check.done
+        check.add(i, blob[slice(*m.chunk_range(i))])
+    assert check.done and check.faults == ["tensor layer.bias does not match its hash"]
+    with pytest.raises(ValueError):
+        TensorCheck(m).add(0, b"short")
+
+
+def test_tensor_check_of_an_empty_state_is_done_at_once():
+    m = make(ts=[("empty", "float16", (0, 4), b"")])
+    assert m.chunks == () and TensorCheck(m).done
 
 
 def test_tensor_entry_validates():

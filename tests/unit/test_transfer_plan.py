@@ -104,6 +104,30 @@ def test_end_game_duplicates_a_slow_providers_chunk_and_first_copy_wins():
     assert plan.received_by() == {"slow": 0, "fast": 20}
 
 
+def test_a_chunk_being_verified_is_not_duplicated_and_its_verdict_outlives_the_stream():
+    plan = TransferPlan(2)
+    for p in ("a", "b"):
+        plan.add_provider(p)
+    assert plan.next_chunk("a") == 0 and plan.next_chunk("a") == 1
+    plan.chunk_received("a", 0)  # a's chunk 0 is in, being verified
+    assert plan.next_chunk("b") == 1  # the end game duplicates only what is still on its way
+    assert plan.next_chunk("b") is None
+    plan.provider_failed("a")  # a's stream broke: chunk 1 is b's anyway, chunk 0 awaits its verdict
+    assert plan.next_chunk("b") is None
+    plan.chunk_bad("a", 0)  # the verdict: a lied; chunk 0 goes back to the queue
+    assert plan.providers["a"].banned and plan.next_chunk("b") == 0
+    assert plan.chunk_ok("b", 0, 10) and plan.chunk_ok("b", 1, 10) and plan.finished
+
+
+def test_a_verified_chunk_of_a_failed_provider_still_counts():
+    plan = TransferPlan(1)
+    plan.add_provider("a")
+    assert plan.next_chunk("a") == 0
+    plan.chunk_received("a", 0)
+    plan.provider_failed("a")
+    assert plan.chunk_ok("a", 0, 7) and plan.finished and plan.received_by() == {"a": 7}
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 80), kinds=st.lists(st.sampled_from(["ok", "liar", "dies@0", "dies@3", "dies@20"]), min_size=1,
                                            max_size=5), speeds=st.lists(st.integers(1, 4), min_size=5, max_size=5),
