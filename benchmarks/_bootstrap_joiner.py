@@ -2,7 +2,8 @@
 
 Modes, each timed from the request until the state is loaded in this process's model and optimizer:
 - ``swarmrun``: the join path of ``Trainer``: read the run's provider records from the DHT, ``choose_state``,
-  ``Fetcher.fetch`` from the ``k`` providers, check the tensor digests and the state hash, ``RunState.apply_frozen``;
+  ``Fetcher.fetch`` from the ``k`` providers (it verifies every chunk and tensor digest as the chunks arrive), check
+  the state hash, ``RunState.apply_frozen(adopt=True)``;
 - ``hivemind``: ``DecentralizedAverager.load_state_from_peers`` (one donor), then the same ``RunState.apply``;
 - ``raw``: the path's ceiling: one raw binary stream per provider, each sending its share of the state's bytes in
   1 MiB writes; nothing is loaded (the bytes are read and dropped).
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
+import resource
 import struct
 import sys
 import time
@@ -28,8 +29,8 @@ import torch  # noqa: E402
 from hivemind import DHT  # noqa: E402
 from hivemind.p2p import PeerID  # noqa: E402
 
-from _bootstrap_state import (MB, RAW_PROTOCOL, BenchAverager, apply_hivemind, build_state,  # noqa: E402
-                              hivemind_prefix, make_dht, run_id_for)
+from _bootstrap_state import (LOOPS, MB, RAW_PROTOCOL, BenchAverager, apply_hivemind, build_state,  # noqa: E402
+                              hivemind_prefix, make_dht, run_id_for, run_loop)
 from _common import emit  # noqa: E402
 from swarmrun.node.trainer import read_providers  # noqa: E402
 from swarmrun.node.transfer import Fetcher  # noqa: E402
@@ -54,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--chunk-timeout", type=float, default=30.0)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--wait-go", action="store_true", help="after ready, wait for a line 'go' on stdin")
+    p.add_argument("--loop", choices=LOOPS, default=LOOPS[0], help="event loop of the swarmrun and raw modes")
     return p.parse_args(argv)
 
 
@@ -75,7 +77,7 @@ async def take_swarmrun(opts, dht: DHT, state) -> dict:
     run_id = run_id_for(opts.run_base, opts.k)
     fetcher = Fetcher(p2p, run_id, state.spec_hash, chunk_timeout=opts.chunk_timeout, **kwargs)
     await ready_then_go(opts)
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), _cpu()
     deadline = t0 + opts.timeout
     records = await read_providers(dht, run_id)
     choice = choose_state(records)
@@ -85,18 +87,18 @@ async def take_swarmrun(opts, dht: DHT, state) -> dict:
     t_lookup = time.monotonic()
     frozen, stats = await fetcher.fetch(choice.manifest_hash, choice.providers, deadline=deadline)
     t_fetch = time.monotonic()
-    # as Trainer._fetch_state: every tensor digest and the state hash are checked before the state is applied
-    faults = await asyncio.to_thread(lambda: [e.name for e in frozen.manifest.tensors if hashlib.sha256(
-        frozen.data[e.offset:e.offset + e.nbytes]).hexdigest() != e.digest])
-    if faults or frozen.manifest.state_hash() != choice.state_hash:
-        raise RuntimeError(f"fetched state does not verify: {faults[:3] or 'state_hash'}")
+    # as Trainer._fetch_state: the fetch verified every chunk and tensor digest; the state hash is checked here
+    if frozen.manifest.state_hash() != choice.state_hash:
+        raise RuntimeError("fetched state does not verify: state_hash")
     t_verify = time.monotonic()
-    await asyncio.to_thread(state.apply_frozen, frozen)
+    chunks = len(frozen.manifest.chunks)
+    await asyncio.to_thread(state.apply_frozen, frozen, adopt=True)  # as Trainer.catch_up
     t1 = time.monotonic()
     return dict(seconds=t1 - t0, lookup_s=t_lookup - t0, fetch_s=t_fetch - t_lookup, verify_s=t_verify - t_fetch,
-                apply_s=t1 - t_verify, fetch_mb_per_s=stats.bytes / MB / max(stats.seconds, 1e-9),
+                apply_s=t1 - t_verify, cpu_s=_cpu() - cpu0,
+                fetch_mb_per_s=stats.bytes / MB / max(stats.seconds, 1e-9),
                 by_provider={p[-8:]: b for p, b in stats.by_provider.items()}, banned=len(stats.banned),
-                window=fetcher.window, chunks=len(frozen.manifest.chunks))
+                window=fetcher.window, chunks=chunks)
 
 
 def take_hivemind(opts, averager, state) -> dict:
@@ -117,7 +119,7 @@ async def take_raw(opts, dht: DHT) -> dict:
     peers = [PeerID.from_base58(p) for p in opts.providers[:opts.k]]
     share = -(-opts.total_bytes // len(peers))
     await ready_then_go(opts)
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), _cpu()
 
     async def one(i: int, peer: PeerID) -> int:
         _, reader, writer = await p2p.call_binary_stream_handler(peer, RAW_PROTOCOL)
@@ -136,7 +138,13 @@ async def take_raw(opts, dht: DHT) -> dict:
             writer.close()
 
     got = await asyncio.wait_for(asyncio.gather(*[one(i, p) for i, p in enumerate(peers)]), opts.timeout)
-    return dict(seconds=time.monotonic() - t0, bytes_received=sum(got))
+    return dict(seconds=time.monotonic() - t0, cpu_s=_cpu() - cpu0, bytes_received=sum(got))
+
+
+def _cpu() -> float:
+    """CPU seconds of this process so far (every thread, user and system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv=None) -> int:
@@ -149,13 +157,13 @@ def main(argv=None) -> int:
                                 stepped=False)
         dht, _ = make_dht(opts.host, opts.initial_peers, Path(opts.state_dir))
         if opts.mode == "swarmrun":
-            out = asyncio.run(take_swarmrun(opts, dht, state))
+            out = run_loop(opts.loop, take_swarmrun(opts, dht, state))
         elif opts.mode == "hivemind":
             averager = BenchAverager([torch.zeros(1)], dht, start=True, prefix=hivemind_prefix(opts.run_base),
                                      allow_state_sharing=False)
             out = take_hivemind(opts, averager, state)
         else:
-            out = asyncio.run(take_raw(opts, dht))
+            out = run_loop(opts.loop, take_raw(opts, dht))
         out.update(mode=opts.mode, k=1 if opts.mode == "hivemind" else opts.k, bytes=opts.total_bytes,
                    mb_per_s=opts.total_bytes / MB / out["seconds"])
         if state is not None:

@@ -26,8 +26,8 @@ import torch  # noqa: E402
 from hivemind import DHT  # noqa: E402
 from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
 
-from _bootstrap_state import (RAW_PROTOCOL, RAW_WRITE, BenchAverager, build_state, hivemind_prefix,  # noqa: E402
-                              live_tensors, make_dht, run_id_for)
+from _bootstrap_state import (LOOPS, RAW_PROTOCOL, RAW_WRITE, BenchAverager, build_state,  # noqa: E402
+                              hivemind_prefix, live_tensors, make_dht, run_id_for, run_loop)
 from _common import emit  # noqa: E402
 from swarmrun.node.swarm import record_validator, signed_subkey  # noqa: E402
 from swarmrun.node.transfer import StateServer, admit_open  # noqa: E402
@@ -49,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--chunk-size", type=int, default=1 << 20)
     p.add_argument("--state-dir", required=True, help="where this peer's identity file goes")
     p.add_argument("--hivemind", action="store_true", help="also be hivemind's state donor")
+    p.add_argument("--loop", choices=LOOPS, default=LOOPS[0], help="event loop of the swarmrun and raw servers")
     return p.parse_args(argv)
 
 
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
                                         declare_state_period=10))
 
         try:
-            asyncio.run(serve(opts, dht, key, frozen, state.spec_hash, donate if opts.hivemind else None))
+            run_loop(opts.loop, serve(opts, dht, key, frozen, state.spec_hash, donate if opts.hivemind else None))
         finally:
             for donor in donors:
                 donor.shutdown()

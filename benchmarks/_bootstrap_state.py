@@ -7,6 +7,7 @@ so the moments exist and every provider holds the same bits without a forward pa
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +25,19 @@ RAW_WRITE = 1 << 20
 MB = 1e6  # figures are in decimal megabytes (302 MB = 25.2M params x 3 x 4 bytes)
 # a DHT RPC counts as lost after this many seconds (hivemind's default, 3 s, fails bootstraps on a loaded machine)
 DHT_WAIT_TIMEOUT = 20.0
+
+
+LOOPS = ("uvloop", "asyncio")
+
+
+def run_loop(kind: str, coro):
+    """Run ``coro`` on the event loop ``kind``: ``uvloop`` is what ``node`` runs on (``cli._run_async``),
+    ``asyncio`` the standard library's."""
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)
 
 
 def spec_hash_for(run_base: str) -> str:

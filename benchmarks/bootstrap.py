@@ -6,7 +6,8 @@ a fresh joiner process, timed from the request until the state is loaded in the 
 - ``hivemind``: ``DecentralizedAverager.load_state_from_peers`` from one donor (``allow_state_sharing=True``,
   ``get_current_state`` returning the live tensors), then loaded with ``RunState.apply``;
 - ``swarmrun_k`` (k = 1, 2, 4 providers): the trainer's join path: provider records from the DHT,
-  ``choose_state``, ``Fetcher.fetch``, tensor digests and state hash checked, ``RunState.apply_frozen``;
+  ``choose_state``, ``Fetcher.fetch`` (chunk and tensor digests verified as the chunks arrive), state hash
+  checked, ``RunState.apply_frozen(adopt=True)``;
 - ``raw_k``: the ceiling of the path itself: raw hivemind P2P binary streams, one per provider, each sending
   its share of the state's bytes in 1 MiB writes (read and dropped).
 
@@ -15,6 +16,8 @@ hivemind donor. Two networks: ``loopback`` (everything on 127.0.0.1) and ``cappe
 network namespace, its upload capped by ``tc tbf``, default 100 Mbit/s; the joiner on the host). Runs are
 interleaved (hivemind, raw_1, swarmrun_1, raw_2, swarmrun_2, raw_4, swarmrun_4, then again), ``--repeats``
 each, medians. MB = 1e6 bytes. A run counts only if the joiner's loaded state hashes to the providers' state.
+The swarmrun and raw processes run on ``--loop`` (default uvloop, as ``node`` does); hivemind's averager runs its
+own loop in its own process.
 
     /work/venv/bin/python benchmarks/bootstrap.py [--repeats 3] [--network loopback,capped] [--json]
     /work/venv/bin/python benchmarks/bootstrap.py --quick --repeats 1 --json     # smoke check: tiny model, loopback
@@ -84,6 +87,7 @@ class Providers:
                    "--run-base", self.run_base, "--index", str(i), "--host", self.host(i), "--seed", str(self.opts.seed),
                    "--hidden", str(self.opts.hidden), "--layers", str(self.opts.layers),
                    "--chunk-size", str(self.opts.chunk_size), "--state-dir", str(self.log_dir / f"provider{i}"),
+                   "--loop", self.opts.loop,
                    *(["--hivemind"] if i == 0 else [])]
             if i > 0:
                 cmd += ["--initial-peers", *self.ready[0]["maddrs"]]
@@ -116,7 +120,7 @@ def start_joiner(opts, providers: Providers, mode: str, k: int, log_dir: Path, n
            "--initial-peers", *providers.maddrs(), "--host", providers.net.joiner_host if providers.net else "127.0.0.1",
            "--hidden", str(opts.hidden), "--layers", str(opts.layers), "--seed", str(opts.seed),
            "--state-hash", first["state_hash"], "--total-bytes", str(first["total_bytes"]),
-           "--timeout", str(opts.run_timeout), "--chunk-timeout", str(opts.chunk_timeout),
+           "--timeout", str(opts.run_timeout), "--chunk-timeout", str(opts.chunk_timeout), "--loop", opts.loop,
            *(["--window", str(opts.window)] if opts.window else [])]
     return Peer(name, cmd, log_dir, stdin_pipe=True)
 
@@ -232,7 +236,7 @@ def summarize(opts, runs: list[dict], facts: dict, load: dict) -> dict[str, Any]
     for net in opts.networks:
         for s in systems:
             rows = [r for r in runs if r["network"] == net and r["system"] == s and r.get("mb_per_s") is not None]
-            keys = [key for key in ("seconds", "lookup_s", "fetch_s", "verify_s", "apply_s", "fetch_mb_per_s")
+            keys = [key for key in ("seconds", "lookup_s", "fetch_s", "verify_s", "apply_s", "cpu_s", "fetch_mb_per_s")
                     if rows and key in rows[0]]
             if rows:
                 breakdown[f"{net}/{s}"] = {key: statistics.median(r[key] for r in rows) for key in keys}
@@ -244,7 +248,7 @@ def summarize(opts, runs: list[dict], facts: dict, load: dict) -> dict[str, Any]
         verified_all=bool(done) and all(r.get("verified") for r in done),
         settings=dict(hidden=opts.hidden, layers=opts.layers, quick=opts.quick, repeats=opts.repeats,
                       networks=opts.networks, cap_mbit=opts.cap_mbit, chunk_size=opts.chunk_size,
-                      window=opts.window, seed=opts.seed, cpus=os.cpu_count()),
+                      window=opts.window, seed=opts.seed, loop=opts.loop, cpus=os.cpu_count()),
         facts=facts, load=load,
         failed=[dict(network=r["network"], system=r["system"], repeat=r["repeat"], error=r["error"])
                 for r in runs if r.get("error")],
@@ -295,6 +299,9 @@ def parse_args(argv=None):
     p.add_argument("--cap-mbit", type=float, default=100.0, help="each provider's upload cap, Mbit/s (default 100)")
     p.add_argument("--chunk-size", type=int, default=1 << 20, help="manifest chunk size in bytes (default 1 MiB)")
     p.add_argument("--window", type=int, default=None, help="swarmrun Fetcher window (default: Fetcher's own)")
+    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                   help="event loop of the swarmrun and raw processes, both ends (default uvloop: what node runs on; "
+                        "hivemind's averager runs its own)")
     p.add_argument("--seed", type=int, default=20261202)
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds one joiner may take (default 300)")
     p.add_argument("--chunk-timeout", type=float, default=30.0, help="swarmrun Fetcher chunk_timeout (default 30)")
