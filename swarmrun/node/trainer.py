@@ -2,6 +2,7 @@
 
 One asyncio loop; the gradient computation and the optimizer step run in a worker thread. hivemind's DHT
 and averager run in their own processes and are reached through their public API (MPFutures are awaited).
+The catch-up (step-record replay and state fetch) is a mixin in ``catchup.py``.
 """
 
 from __future__ import annotations
@@ -33,20 +34,20 @@ from ..protocol.round import (
     progress_key,
     pick_blocks,
     accumulation_cap,
-    preferred_hash,
     should_resync,
     should_start_round,
     vote_key,
 )
-from ..protocol.manifest import DEFAULT_CHUNK_SIZE, Manifest
+from ..protocol.manifest import DEFAULT_CHUNK_SIZE
 from ..protocol.spec import Spec
-from ..protocol.transfer import Choice, ProviderRecord, choose_state, log_sources, providers_key
+from ..protocol.transfer import ProviderRecord, providers_key
 from .averaging import RoundAverager, RoundOutcome
 from .output import Events, set_log_context
 from .access import AccessGate
 from .swarm import record_validator, signed_subkey, subkey_owner
 from .state import FrozenState, RunState, digest_tensors
-from .transfer import Fetcher, StateServer, admit_open, make_step_record, read_step_record
+from .catchup import CatchUp, Stopped
+from .transfer import Fetcher, StateServer, admit_open, make_step_record
 from .task import Task, batch_len, batch_to
 
 logger = logging.getLogger("swarmrun.trainer")
@@ -75,11 +76,7 @@ class TrainerConfig:
     finish_linger: float = 45.0  # a finished peer serves trainers still behind at most this long (> a round's wait)
 
 
-class Stopped(Exception):
-    """A stop was requested while the trainer waited on the swarm."""
-
-
-class Trainer:
+class Trainer(CatchUp):
     """A peer of a run: trains (or keeps state), averages, commits, serves its state.
 
     Args:
@@ -482,131 +479,6 @@ class Trainer:
                     state_hash=self.state_hash, samples_per_second=round(sps, 2), peers=max(1, len(trainers)),
                     eta_s=(remaining / sps) if sps > 0 else None, cursor=self.state.cursor.summary(), **extra)
 
-    # ---- catch-up: step records and state transfer -----------------------------------------------------
-    async def resync(self) -> None:
-        """Catch up with the swarm (drops local accumulation: it belongs to a step this peer is no longer at)."""
-        before = self.state.step
-        t0 = time.perf_counter()
-        how = await self.catch_up(deadline=time.monotonic() + self.config.state_timeout)
-        self._zero_accumulator()
-        self.stats["resyncs"] += 1
-        self.events.emit("resync", from_step=before, step=self.state.step, state_hash=self.state_hash,
-                         seconds=round(time.perf_counter() - t0, 3), **how)
-
-    async def catch_up(self, *, deadline: float) -> dict:
-        """Reach the swarm's newest step: replay step records from this state when they reach back to it, else
-        fetch the best-provided recent state from many providers at once and replay the records since.
-
-        Returns:
-            what it took: bytes fetched, state fetches, steps replayed, providers used.
-        Raises:
-            IncompatibleState: nothing verified could be had before ``deadline``.
-        """
-        await self.start_serving()
-        how = dict(bytes=0, fetched=0, replayed=0, providers=0, banned=0)
-        last_error = "no provider announced a state"
-        while time.monotonic() < deadline:
-            if self.stop_requested.is_set():
-                raise Stopped()
-            if not self.dht.is_alive():
-                raise SwarmrunError("hivemind's DHT process died; leaving")
-            await self._refresh_view()
-            records = {p: r for p, r in (await read_providers(self.dht, self.spec.run_id)).items() if p != self.peer_id}
-            if not records and not any(p != self.peer_id for p in self.view.reports):
-                last_error = "no peer of the run answered"  # a DHT read can miss under load: ask again
-                await asyncio.sleep(self.config.report_interval)
-                continue
-            newest = max([r.step for r in records.values()] + [self.view.newest_step])
-            if self.state.step >= newest and not self._behind():
-                how["banned"] = len(self.fetcher.banned)  # providers this peer caught lying so far
-                return how
-            choice = choose_state(records, trusted_hashes=self._trusted_hashes())
-            # replay while the records to fetch weigh less than a whole state (Adam: about 3 records); after one
-            # state fetch always replay: a swarm that steps during every fetch must not send us round again
-            fetch_first = how["fetched"] == 0 and choice is not None and choice.step > self.state.step and \
-                (newest - self.state.step) * self._record_bytes > records[choice.providers[0]].total_bytes
-            if not fetch_first and await self._replay(records, newest, deadline, how):
-                continue
-            if choice is None or (choice.step, choice.state_hash) == (self.state.step, self.state_hash) or \
-                    (choice.step < self.state.step and not self._behind()):
-                await asyncio.sleep(self.config.report_interval)  # nothing better to fetch yet
-                continue
-            try:
-                frozen = await self._fetch_state(choice, deadline, how)
-            except IncompatibleState as e:
-                last_error = str(e)
-                await asyncio.sleep(self.config.report_interval)
-                continue
-            if self._diverged is not None and self._diverged.step == frozen.step:
-                logger.warning(f"the replayed state of step {frozen.step} differed from the fetched one in: "
-                               f"{', '.join(manifest_differences(self._diverged, frozen.manifest)) or 'nothing?'}")
-            self._diverged = None
-            await asyncio.to_thread(self.state.apply_frozen, frozen, adopt=True)  # a fetched state is ours alone
-            await asyncio.to_thread(self._refresh_served_state)
-            if self.server is not None:
-                self.server.drop_records()  # earlier records described another history of this peer
-            self._publish()
-        raise IncompatibleState(f"could not catch up with the swarm within {self.config.state_timeout:.0f}s: {last_error}")
-
-    async def _fetch_state(self, choice: Choice, deadline: float, how: dict) -> FrozenState:
-        total = {"done": 0, "t0": time.monotonic(), "last": 0.0}
-
-        def progress(new_bytes: int, total_bytes: int, active: int) -> None:
-            total["done"] += new_bytes
-            now = time.monotonic()
-            if now - total["last"] >= 0.5 or total["done"] >= total_bytes:
-                total["last"] = now
-                self.events.emit("transfer_progress", step=choice.step, bytes=total["done"], total_bytes=total_bytes,
-                                 mb_per_s=round(total["done"] / max(now - total["t0"], 1e-6) / 2**20, 1),
-                                 providers=active)
-
-        frozen, stats = await self.fetcher.fetch(choice.manifest_hash, choice.providers, deadline=deadline,
-                                                 progress=progress)
-        # the fetch verified every chunk and tensor digest against the manifest; its state_hash is checked here
-        if frozen.manifest.state_hash() != choice.state_hash:
-            raise IncompatibleState(f"state of step {choice.step} does not verify: state_hash")
-        how["bytes"] += stats.bytes
-        how["fetched"] += 1
-        how["providers"] = max(how["providers"], sum(1 for b in stats.by_provider.values() if b > 0))
-        logger.info(f"fetched state of step {choice.step}: {stats.bytes / 2**20:.1f} MiB in {stats.seconds:.2f}s from "
-                    f"{how['providers']} provider(s)" + (f", resumed {stats.resumed_chunks} chunks" if stats.resumed_chunks else ""))
-        return frozen
-
-    async def _replay(self, records: dict, newest: int, deadline: float, how: dict) -> bool:
-        """Replay announced step records from this peer's step towards ``newest``; True if any was replayed."""
-        replayed = 0
-        while self.state.step < newest and time.monotonic() < deadline:
-            manifest_hash, sources = log_sources(records, self.state.step)
-            if manifest_hash is None:
-                break
-            try:
-                record, stats = await self.fetcher.fetch(manifest_hash, sources,
-                                                         deadline=min(deadline, time.monotonic() + 30.0))
-                grads, applied, before, after = read_step_record(record)
-            except IncompatibleState as e:
-                logger.info(f"step record {self.state.step} unavailable: {e}")
-                break
-            if before != self.state_hash:
-                break  # this peer's state is not the one the record starts from: a whole state is needed
-            await asyncio.to_thread(self._optimizer_step, grads, applied)
-            if self.state_hash != after:
-                # e.g. another device's arithmetic: the replay does not give the committers' bits
-                logger.warning(f"replaying step {self.state.step - 1} did not give the committers' state; fetching one")
-                self._diverged = self.frozen.manifest
-                self.server.drop_records()
-                await asyncio.to_thread(self._refresh_served_state)
-                return False
-            self._record = record
-            self._publish()  # this peer serves the state and the record it replayed, too
-            how["bytes"] += stats.bytes
-            replayed += 1
-        how["replayed"] += replayed
-        return replayed > 0
-
-    def _trusted_hashes(self) -> dict[int, str]:
-        steps = {r.step for p, r in self.view.trainers.items() if p != self.peer_id}
-        return {step: h for step in steps if (h := preferred_hash(self.view, step=step, me=self.peer_id))}
-
     # ---- progress reports ----------------------------------------------------------------------------
     def _report(self) -> ProgressReport:
         # a leaving peer releases its blocks in its last report rather than holding them until the report expires
@@ -730,15 +602,6 @@ async def read_providers(dht: DHT, run_id: str) -> dict[str, ProviderRecord]:
                 out[owner] = ProviderRecord.decode(item.value)
             except (ProtocolError, AttributeError, TypeError):
                 continue
-    return out
-
-
-def manifest_differences(a: Manifest, b: Manifest) -> list[str]:
-    """Where two manifests' training content differs: tensor names, content keys (a diagnosis for logs)."""
-    out = [f"{x.name}" for x, y in zip(a.tensors, b.tensors) if x.digest != y.digest or x.name != y.name]
-    out += [f"content.{k}" for k in sorted(set(a.content) | set(b.content)) if a.content.get(k) != b.content.get(k)]
-    if a.spec_hash != b.spec_hash:
-        out.append("spec_hash")
     return out
 
 
