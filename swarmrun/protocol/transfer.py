@@ -248,8 +248,8 @@ class TransferPlan:
 
     Chunks are handed out lowest first; a chunk held by a provider that fails goes back to the queue; a
     provider whose chunk does not verify is banned (it lied or is broken) and its chunks go back too. When the
-    queue is empty and chunks are still in flight, an idle provider may ask for one of them a second time (the
-    end of a transfer does not wait for the slowest provider); the first verified copy wins. A chunk received and
+    queue is empty and chunks are still in flight, a provider with nothing in flight may ask for one of them a
+    second time (the end of a transfer does not wait for the slowest provider); the first verified copy wins. A chunk received and
     being verified (``chunk_received``) is not asked again meanwhile: its verdict comes, whatever happens to the
     stream it came on.
 
@@ -303,8 +303,11 @@ class TransferPlan:
             if index not in self.done:
                 p.inflight.add(index)
                 return index
-        # end game: duplicate a chunk another provider is still sending
-        others = sorted(self._inflight_anywhere() - p.inflight - self._verifying_anywhere() - self.done)
+        # end game: a provider with nothing of its own in flight duplicates one chunk another is still sending
+        # (one at a time: a window of duplicates per provider would move several chunks' bytes twice for nothing)
+        if p.inflight:
+            return None
+        others = sorted(self._inflight_anywhere() - self._verifying_anywhere() - self.done)
         if others:
             p.inflight.add(others[0])
             return others[0]

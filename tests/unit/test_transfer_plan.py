@@ -104,6 +104,22 @@ def test_end_game_duplicates_a_slow_providers_chunk_and_first_copy_wins():
     assert plan.received_by() == {"slow": 0, "fast": 20}
 
 
+def test_end_game_duplicates_one_chunk_at_a_time_and_only_from_an_idle_provider():
+    plan = TransferPlan(6)
+    for p in ("a", "b"):
+        plan.add_provider(p)
+    assert [plan.next_chunk("a") for _ in range(3)] == [0, 1, 2]
+    assert [plan.next_chunk("b") for _ in range(3)] == [3, 4, 5]
+    assert plan.next_chunk("b") is None  # the queue is empty, and b still has chunks of its own on the way
+    for i in (3, 4):
+        plan.chunk_ok("b", i, 1)
+    assert plan.next_chunk("b") is None  # chunk 5 still on its way
+    plan.chunk_ok("b", 5, 1)
+    assert plan.next_chunk("b") == 0 and plan.next_chunk("b") is None  # idle now: one duplicate at a time
+    plan.chunk_ok("b", 0, 1)
+    assert plan.next_chunk("b") == 1
+
+
 def test_a_chunk_being_verified_is_not_duplicated_and_its_verdict_outlives_the_stream():
     plan = TransferPlan(2)
     for p in ("a", "b"):
