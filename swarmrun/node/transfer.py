@@ -306,7 +306,7 @@ class Fetcher:
     Args:
         p2p: this peer's P2P (a replica of the DHT's).
         run_id, spec_hash: the run; every request names the spec (admission on the provider).
-        window: chunk requests in flight per provider (keeps each stream busy while a chunk is verified).
+        window: chunk requests in flight per provider (its stream never waits for the next request).
         chunk_timeout: seconds a provider may take per chunk before it counts as failed.
     """
 
