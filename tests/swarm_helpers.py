@@ -113,3 +113,15 @@ def run_cli(*args: str, timeout: float = 120, env: dict | None = None) -> subpro
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def process_cmdlines() -> list[str]:
+    """Every live process's command line (NULs as spaces), for tests that check a run left nothing behind."""
+    rows = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                rows.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:
+                pass
+    return rows

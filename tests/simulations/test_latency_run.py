@@ -6,12 +6,13 @@ addresses, so the swarm's connections pass the proxies and none reaches a peer's
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.swarm_helpers import process_cmdlines
 
 ROOT = Path(__file__).parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
@@ -49,16 +50,6 @@ def test_a_trace_with_latency_runs_every_connection_through_the_proxies(tmp_path
             host_port = "{}:{}".format(*e["maddrs"][0].split("/")[2:5:2])
             assert host_port in proxies and host_port not in reals, (e["maddrs"], proxies)
     assert result.returncode == 0
-    left = [c for c in _cmdlines() if "simulations.delayproxy" in c and any(f"--to {r}" in c for r in reals)]
+    left = [c for c in process_cmdlines() if "simulations.delayproxy" in c and any(f"--to {r}" in c for r in reals)]
     assert not left, left  # the proxies are gone with the run
 
-
-def _cmdlines() -> list[str]:
-    rows = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                rows.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-            except OSError:
-                pass
-    return rows

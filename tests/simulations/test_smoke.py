@@ -4,12 +4,13 @@ The only swarm test of the harness (3 peers live at most, synthetic task); it as
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.swarm_helpers import process_cmdlines
 
 ROOT = Path(__file__).parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -36,16 +37,6 @@ def test_smoke_trace_end_to_end(tmp_path):
     keys = {json.loads(line)["peer"] for line in (out / "events.jsonl").read_text().splitlines()}
     assert keys == {"peer0.0", "peer1.0", "peer2.0", "peer3.0"}
     assert summary["run_id"].startswith("sim-smoke-")
-    ours = [p for p in _processes() if summary["run_id"] in p]
+    ours = [p for p in process_cmdlines() if summary["run_id"] in p]
     assert not ours, ours  # every peer's process group is gone (the run id is on each peer's command line)
 
-
-def _processes() -> list[str]:
-    rows = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                rows.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-            except OSError:
-                pass
-    return rows
