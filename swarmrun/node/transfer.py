@@ -43,6 +43,7 @@ from .state import _DTYPES, FrozenState, alloc_buffer, prefault, tensor_bytes
 logger = logging.getLogger("swarmrun.transfer")
 
 PREFAULT_MIN_BYTES = 16 << 20  # a smaller object's pages are left to the page faults of its first write
+KEEP_PARTIALS = 2  # unfinished downloads kept to resume (a state and a step record); a newer one drops the oldest
 Admit = Callable[[Open, str], Optional[str]]  # (request, remote peer id) -> refusal reason, or None to admit
 
 
@@ -300,8 +301,8 @@ class FetchStats:
 
 
 class Fetcher:
-    """Downloads objects from many providers at once, verifying every chunk and tensor; keeps partial downloads to
-    resume.
+    """Downloads objects from many providers at once, verifying every chunk and tensor; keeps the partial downloads
+    of the ``KEEP_PARTIALS`` objects asked for last, to resume them (each holds a buffer of its object's size).
 
     Args:
         p2p: this peer's P2P (a replica of the DHT's).
@@ -355,11 +356,11 @@ class Fetcher:
                 buffer = alloc_buffer(manifest.total_bytes)
                 if manifest.total_bytes >= PREFAULT_MIN_BYTES:  # its pages mapped ahead of the bytes, off the loop
                     threading.Thread(target=prefault, args=(buffer,), name="swarmrun-prefault", daemon=True).start()
-                start(self.partials.setdefault(manifest_hash, Partial(manifest, buffer)))
+                start(self._keep(manifest_hash, Partial(manifest, buffer)))
 
         if manifest_hash in self.partials:
             stats.resumed_chunks = len(self.partials[manifest_hash].have)
-            start(self.partials[manifest_hash])
+            start(self._keep(manifest_hash, self.partials[manifest_hash]))
 
         async def work(provider: str) -> None:
             try:
@@ -401,6 +402,16 @@ class Fetcher:
         stats.by_provider = plan.received_by()
         stats.bytes = sum(stats.by_provider.values())
         return FrozenState(manifest=partial.manifest, data=partial.data.toreadonly()), stats
+
+    def _keep(self, manifest_hash: str, partial: Partial) -> Partial:
+        """Keep ``partial`` as the newest download; drop the oldest ones beyond ``KEEP_PARTIALS``, buffers and all."""
+        self.partials.pop(manifest_hash, None)
+        self.partials[manifest_hash] = partial
+        while len(self.partials) > KEEP_PARTIALS:
+            oldest = next(iter(self.partials))
+            dropped = self.partials.pop(oldest)
+            logger.debug(f"dropped the partial download of {oldest[:12]} ({len(dropped.have)} chunks verified)")
+        return partial
 
     async def _work(self, provider: str, manifest_hash: str, state: dict, set_manifest, manifest_ready,
                     banned: set[str], active: set[str]) -> None:

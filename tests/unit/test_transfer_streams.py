@@ -19,7 +19,7 @@ from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from swarmrun.node.state import FrozenState, RunState
-from swarmrun.node.transfer import Fetcher, FetchFailed, StateServer, admit_open
+from swarmrun.node.transfer import KEEP_PARTIALS, Fetcher, FetchFailed, StateServer, admit_open
 from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.manifest import build_manifest
 from swarmrun.protocol.transfer import Chunk
@@ -186,6 +186,34 @@ def test_dying_provider_keeps_what_verified_and_the_next_fetch_resumes(loop):
             frozen.manifest.chunk_range(i)[1] - frozen.manifest.chunk_range(i)[0] for i in range(kept))
     run(loop, main())
 
+
+
+def test_only_the_newest_partial_downloads_are_kept():
+    async def main():
+        net = Net()
+        fetcher = Fetcher(net.p2p("joiner"), "run", SPEC, chunk_timeout=2)
+        states = [make_state(nbytes=2**20, chunk_size=1 << 16, seed=s) for s in range(KEEP_PARTIALS + 1)]
+        for i, frozen in enumerate(states):
+            served = {"n": 0}
+
+            class DiesAfterTwo(FrozenState):
+                def chunk(self, index: int, served=served) -> memoryview:
+                    served["n"] += 1
+                    if served["n"] > 2:
+                        raise ConnectionError("provider died")
+                    return super().chunk(index)
+
+            await serve(net, f"dies{i}", DiesAfterTwo(manifest=frozen.manifest, data=frozen.data))
+            with pytest.raises(FetchFailed):
+                await fetch(net, frozen, [f"dies{i}"], fetcher=fetcher, timeout=5)
+        hashes = [s.manifest.manifest_hash() for s in states]
+        assert list(fetcher.partials) == hashes[1:]  # the oldest went, buffer and all
+        # one resumes from what it kept; once finished it is no longer kept
+        await serve(net, "ok", states[1])
+        _, got, stats = await fetch(net, states[1], ["ok"], fetcher=fetcher)
+        assert stats.resumed_chunks >= 1 and bytes(got.data) == bytes(states[1].data)
+        assert list(fetcher.partials) == hashes[2:]
+    asyncio.run(main())
 
 class _SlowWriter:
     def __init__(self, writer, delay: float):
