@@ -134,7 +134,7 @@ def _report(args, trace, out) -> int:
 
 
 def _finish(folder: Path, trace, rec, *, cleaned: bool, run_id: str, args, out, interrupted: bool, wall_s: float) -> int:
-    from .checks import check_all, eval_losses, samples_per_step
+    from .checks import blocks_per_step, check_all, eval_losses, samples_per_step
     from .report import compare_loss, figures, write_report
 
     baseline = None
@@ -144,9 +144,14 @@ def _finish(folder: Path, trace, rec, *, cleaned: bool, run_id: str, args, out, 
         if None not in ordered:
             from .baseline import run_baseline  # torch and the task: only when there is a baseline to run
 
-            out("sim", message=f"baseline: {len(ordered)} steps in one process")
+            blocks = blocks_per_step(rec)
+            replay = [blocks.get(s) for s in range(1, len(ordered) + 1)]
+            replay = None if None in replay else replay  # a record of peers that did not report their blocks
+            out("sim", message=f"baseline: {len(ordered)} steps in one process, on "
+                               + ("the blocks each step of the swarm applied" if replay else "the run's data order"))
             baseline = run_baseline(task=trace.task, sets=trace.sets, seed=trace.seed, samples_per_step=ordered,
-                                    eval_steps=sorted(eval_losses(rec)))
+                                    eval_steps=sorted(eval_losses(rec)), blocks_per_step=replay)
+            baseline["data"] = "swarm_blocks" if replay else "data_order"
             baseline["other_orders"] = [run_baseline(task=trace.task, sets=trace.sets, seed=trace.seed,
                                                      samples_per_step=ordered, eval_steps=sorted(eval_losses(rec)),
                                                      order_shift=k)["eval"] for k in range(1, ORDER_NOISE_RUNS + 1)]

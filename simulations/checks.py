@@ -187,6 +187,16 @@ def samples_per_step(rec: Record) -> dict[int, int]:
     return out
 
 
+def blocks_per_step(rec: Record) -> dict[int, list[list[int]]]:
+    """The block ids each step applied (``[start, end)`` ranges; the first report of that step: every participant
+    reports the same)."""
+    out: dict[int, list[list[int]]] = {}
+    for _, _, e in rec.of("step"):
+        if isinstance(e.get("blocks"), list) and e.get("step") is not None:
+            out.setdefault(int(e["step"]), e["blocks"])
+    return out
+
+
 def eval_losses(rec: Record) -> dict[int, float]:
     """Evaluation loss at each evaluated step (the first report: every peer holds the same weights)."""
     out: dict[int, float] = {}

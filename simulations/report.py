@@ -30,10 +30,12 @@ def compare_loss(rec: Record, baseline: Optional[dict], *, rel_tol: float, abs_t
     s, b = swarm[step], out["baseline_eval"][step]
     rel = abs(s - b) / abs(b) if b else float("inf")
     out.update(step=step, samples=(baseline or {}).get("samples", {}).get(step), swarm_loss=s, baseline_loss=b,
+               baseline_data=(baseline or {}).get("data"),
                relative_difference=rel, ok=abs(s - b) <= rel_tol * abs(b) + abs_tol, rel_tol=rel_tol, abs_tol=abs_tol)
     others = [o[step] for o in (baseline or {}).get("other_orders", []) if step in o]
     if others and b:
-        # not a check: how far one process lands from the baseline on another data order, same samples per step
+        # not a check: how far one process on the run's data order shifted lands, same samples per step (what
+        # data order alone does; the baseline itself takes the swarm's own blocks when the record has them)
         out["data_order_noise"] = dict(losses=others, relative_differences=[abs(o - b) / abs(b) for o in others],
                                        max=max(abs(o - b) / abs(b) for o in others))
     return out
@@ -98,7 +100,8 @@ def _plots(out: Path, rec: Record, loss: dict, baseline: Optional[dict]) -> list
     ax.plot([x for x in xs if x is not None], [sw[s] for s in sorted(sw) if cum.get(s) is not None], "o-", label="swarm (eval)")
     if baseline:
         be = baseline.get("eval", {})
-        ax.plot([baseline["samples"][s] for s in sorted(be)], [be[s] for s in sorted(be)], "s--", label="baseline (eval)")
+        ax.plot([baseline["samples"][s] for s in sorted(be)], [be[s] for s in sorted(be)], "s--",
+                label="baseline, the swarm's blocks" if baseline.get("data") == "swarm_blocks" else "baseline (eval)")
         for k, other in enumerate(baseline.get("other_orders", [])):
             ax.plot([baseline["samples"][s] for s in sorted(other)], [other[s] for s in sorted(other)], ":", color="gray",
                     lw=1, label="baseline, other data orders" if k == 0 else None)

@@ -149,5 +149,6 @@ def _human(event: str, f: dict) -> str:
         return f"[red]error[/red]: {f.get('message')}"
     if event == "eval":
         return f"step {f.get('step')}: eval loss {f.get('loss'):.4f}"
-    details = " ".join(f"{k}={v}" for k, v in f.items() if k not in ("run_id", "peer_id"))
+    # a step's block ranges are for machines (--json): the cursor's counts tell a person enough
+    details = " ".join(f"{k}={v}" for k, v in f.items() if k not in ("run_id", "peer_id", "blocks"))
     return f"{event}: {details}"

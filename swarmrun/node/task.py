@@ -119,13 +119,18 @@ class Task(abc.ABC):
         """Dataset indices of the fixed evaluation batch (by default the first 64 examples)."""
         return range(min(64, self.num_examples()))
 
+    def eval_batch(self) -> Any:
+        """The fixed evaluation examples, collated (CPU tensors): by default the training examples at
+        :meth:`eval_indices`; a task that can draw held-out examples overrides this."""
+        return self.get_batch(list(self.eval_indices()))
+
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, device: torch.device) -> float:
         """Mean loss on the evaluation batch."""
         was_training = model.training
         model.eval()
         try:
-            batch = batch_to(self.get_batch(list(self.eval_indices())), device)
+            batch = batch_to(self.eval_batch(), device)
             return float(self.loss(model, batch))
         finally:
             model.train(was_training)

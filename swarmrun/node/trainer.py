@@ -352,7 +352,7 @@ class Trainer(CatchUp):
             await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
             self._after_commit()
             self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=time.perf_counter() - t0,
-                                                          samples=claims.samples))
+                                                          samples=claims.samples, blocks=claims.applied.to_list()))
         else:
             me = outcome.peer_ids.index(self.peer_id) if self.peer_id in outcome.peer_ids else -1
             if me in claims.refused:
@@ -423,7 +423,8 @@ class Trainer(CatchUp):
             return
         await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=False)
         self._after_commit()
-        self.events.emit("step", **self._step_fields(group=1, round_s=0.0, samples=claims.samples))
+        self.events.emit("step", **self._step_fields(group=1, round_s=0.0, samples=claims.samples,
+                                                      blocks=claims.applied.to_list()))
 
     def _apply_step(self, applied: RangeSet, *, from_buffers: bool) -> None:
         """The committed step: the optimizer on the (identical) averaged gradient, then cursor and step advance."""

@@ -1,7 +1,7 @@
 """The invariant checks on hand-written records: each one fails on the violation it names, and only on it."""
 
-from simulations.checks import Life, Record, check_all, joiners_reach_current_step, no_committed_step_lost, \
-    state_hash_agrees, work_lost
+from simulations.checks import Life, Record, blocks_per_step, check_all, joiners_reach_current_step, \
+    no_committed_step_lost, state_hash_agrees, work_lost
 from simulations.netns import Link, nft_ruleset
 
 CUR = {"blocks_applied": 10, "blocks_pending": 0, "blocks_skipped": 0, "blocks_duplicated": 0, "data_epoch": 1}
@@ -128,3 +128,11 @@ def test_nft_rules_follow_the_link_state():
     rules = nft_ruleset(link)
     assert "ip saddr { 10.0.0.3, 10.0.0.4 } drop" in rules
     assert "numgen random mod 1000 < 125 drop" in rules
+
+
+def test_blocks_per_step_takes_each_steps_first_report():
+    rec = healthy()
+    rec.events[0][2]["blocks"] = [[0, 4], [9, 10]]
+    rec.events[1][2]["blocks"] = [[0, 4], [9, 10]]
+    rec.events[2][2]["blocks"] = [[4, 9]]
+    assert blocks_per_step(rec) == {1: [[0, 4], [9, 10]], 2: [[4, 9]]}  # step 3 reported none

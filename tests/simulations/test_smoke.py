@@ -32,6 +32,7 @@ def test_smoke_trace_end_to_end(tmp_path):
     joiner = summary["joiners"][0]  # joined at step 2 (after the kill), so it had the rest of the run to start and bootstrap
     assert joiner["peer"] == "peer3.0" and joiner["bootstrapped_step"] >= joiner["swarm_step_at_start"]
     assert summary["loss"]["samples"] == summary["samples_applied"]  # compared at equal samples
+    assert summary["loss"]["baseline_data"] == "swarm_blocks"  # on the very blocks each step applied
     for name in ("loss_vs_samples.png", "peers_over_time.png", "step_rate.png", "bootstrap_times.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     keys = {json.loads(line)["peer"] for line in (out / "events.jsonl").read_text().splitlines()}

@@ -60,6 +60,21 @@ def test_synthetic_other_seed_other_model_and_data():
     assert SyntheticTask({"noise": 0.5}, 7).data_fingerprint() != a.data_fingerprint()
 
 
+
+def test_synthetic_evaluates_on_held_out_examples():
+    a, b = SyntheticTask({"eval_examples": 256}, 7), SyntheticTask({"eval_examples": 256}, 7)
+    x, y = a.eval_batch()
+    assert x.shape == (256, 16) and y.shape == (256, 1)
+    assert torch.equal(x, b.eval_batch()[0]) and torch.equal(y, b.eval_batch()[1])  # fixed by the seed
+    train_x, _ = a.get_batch(range(a.num_examples()))
+    assert not (x[:, None, :] == train_x[None, :, :]).all(-1).any()  # not one of them is a training example
+    # the training data does not depend on the held-out draw (it comes after)
+    assert torch.equal(train_x, SyntheticTask({"eval_examples": 3}, 7).get_batch(range(a.num_examples()))[0])
+    model = a.build_model()
+    assert a.evaluate(model, torch.device("cpu")) == pytest.approx(float(a.loss(model, (x, y))))
+    with pytest.raises(TaskError):
+        SyntheticTask({"eval_examples": 0}, 7)
+
 def test_build_model_leaves_global_rng_alone():
     torch.manual_seed(123)
     before = torch.get_rng_state()
@@ -218,7 +233,7 @@ def test_hparam_defaults_complete(cls):
 
 def test_args_are_coerced_and_checked(corpus_dir):
     task = SyntheticTask({"dim": "4", "noise": "0.5", "num_examples": 10}, 0)
-    assert task.args == {"dim": 4, "hidden": 32, "num_examples": 10, "noise": 0.5}
+    assert task.args == {"dim": 4, "hidden": 32, "num_examples": 10, "noise": 0.5, "eval_examples": 1024}
     assert task.get_batch([0])[0].shape == (1, 4)
     with pytest.raises(TaskError, match="unknown"):
         SyntheticTask({"width": 3}, 0)
