@@ -142,6 +142,8 @@ def _finish(folder: Path, trace, rec, *, cleaned: bool, run_id: str, args, out, 
     if not args.no_baseline and steps and not interrupted:
         ordered = [steps.get(s) for s in range(1, max(steps) + 1)]
         if None not in ordered:
+            from swarmrun.protocol.errors import ProtocolError
+
             from .baseline import run_baseline  # torch and the task: only when there is a baseline to run
 
             blocks = blocks_per_step(rec)
@@ -149,8 +151,16 @@ def _finish(folder: Path, trace, rec, *, cleaned: bool, run_id: str, args, out, 
             replay = None if None in replay else replay  # a record of peers that did not report their blocks
             out("sim", message=f"baseline: {len(ordered)} steps in one process, on "
                                + ("the blocks each step of the swarm applied" if replay else "the run's data order"))
-            baseline = run_baseline(task=trace.task, sets=trace.sets, seed=trace.seed, samples_per_step=ordered,
-                                    eval_steps=sorted(eval_losses(rec)), blocks_per_step=replay)
+            try:
+                baseline = run_baseline(task=trace.task, sets=trace.sets, seed=trace.seed, samples_per_step=ordered,
+                                        eval_steps=sorted(eval_losses(rec)), blocks_per_step=replay)
+            except (ValueError, ProtocolError) as e:
+                if replay is None:
+                    raise
+                out("sim", message=f"baseline: the swarm's blocks cannot be replayed ({e}); on the data order instead")
+                replay = None
+                baseline = run_baseline(task=trace.task, sets=trace.sets, seed=trace.seed, samples_per_step=ordered,
+                                        eval_steps=sorted(eval_losses(rec)))
             baseline["data"] = "swarm_blocks" if replay else "data_order"
             baseline["other_orders"] = [run_baseline(task=trace.task, sets=trace.sets, seed=trace.seed,
                                                      samples_per_step=ordered, eval_steps=sorted(eval_losses(rec)),

@@ -44,6 +44,7 @@ def run_baseline(*, task: str, sets: Mapping[str, str], seed: int, samples_per_s
     Raises:
         UsageError: the task or its arguments are unknown (as ``node join --task`` would say).
         ValueError: ``blocks_per_step`` does not hold one list per step, or its blocks are not the step's samples.
+        LocalProtocolError: a block id outside the dataset's blocks.
     """
     t0 = time.perf_counter()
     spec, tk = make_spec(run_id="baseline", task_cls=load_task_class(task), sets={k: str(v) for k, v in sets.items()},
@@ -88,7 +89,7 @@ def run_baseline(*, task: str, sets: Mapping[str, str], seed: int, samples_per_s
         state.optimizer.zero_grad(set_to_none=True)
         total += got
         out["samples"][step] = total
-        out["train"][step] = sum(losses) / len(losses)
+        out["train"][step] = sum(losses) / len(losses) if losses else float("nan")
         if step in wanted:
             out["eval"][step] = tk.evaluate(model, torch.device("cpu"))
     out["seconds"] = round(time.perf_counter() - t0, 3)

@@ -188,13 +188,17 @@ def samples_per_step(rec: Record) -> dict[int, int]:
 
 
 def blocks_per_step(rec: Record) -> dict[int, list[list[int]]]:
-    """The block ids each step applied (``[start, end)`` ranges; the first report of that step: every participant
-    reports the same)."""
-    out: dict[int, list[list[int]]] = {}
+    """The block ids each step applied (``[start, end)`` ranges), where its reports agree: a step that two
+    histories committed (every holder of the first died) is left out, and with it the replay of the swarm's
+    blocks (the baseline then walks the data order)."""
+    seen: dict[int, list[list[int]]] = {}
+    split: set[int] = set()
     for _, _, e in rec.of("step"):
         if isinstance(e.get("blocks"), list) and e.get("step") is not None:
-            out.setdefault(int(e["step"]), e["blocks"])
-    return out
+            step = int(e["step"])
+            if seen.setdefault(step, e["blocks"]) != e["blocks"]:
+                split.add(step)
+    return {s: b for s, b in seen.items() if s not in split}
 
 
 def eval_losses(rec: Record) -> dict[int, float]:

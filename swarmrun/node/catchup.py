@@ -67,6 +67,7 @@ class CatchUp:
             newest = max([r.step for r in records.values()] + [self.view.newest_step])
             if self.state.step >= newest and not self._behind():
                 how["banned"] = len(self.fetcher.banned)  # providers this peer caught lying so far
+                self.fetcher.partials.clear()  # caught up: an unfinished download is of a step behind this one
                 return how
             choice = choose_state(records, trusted_hashes=self._trusted_hashes())
             # replay while the records to fetch weigh less than a whole state (Adam: about 3 records); after one

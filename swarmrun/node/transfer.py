@@ -302,7 +302,8 @@ class FetchStats:
 
 class Fetcher:
     """Downloads objects from many providers at once, verifying every chunk and tensor; keeps the partial downloads
-    of the ``KEEP_PARTIALS`` objects asked for last, to resume them (each holds a buffer of its object's size).
+    of the ``KEEP_PARTIALS`` objects asked for last, to resume them (each holds a buffer of its object's size; the
+    trainer clears them once it has caught up). One fetch at a time: the trainer's catch-up awaits each in turn.
 
     Args:
         p2p: this peer's P2P (a replica of the DHT's).
@@ -329,7 +330,8 @@ class Fetcher:
 
         Raises:
             FetchFailed: every provider failed or lied, or ``deadline`` (time.monotonic) passed; what verified
-                is kept and the next fetch of the same object resumes from it.
+                is kept, and a next fetch of the same object resumes from it unless ``KEEP_PARTIALS`` newer objects
+                were asked for in between.
         """
         t0 = time.monotonic()
         stats = FetchStats()
@@ -356,7 +358,7 @@ class Fetcher:
                 buffer = alloc_buffer(manifest.total_bytes)
                 if manifest.total_bytes >= PREFAULT_MIN_BYTES:  # its pages mapped ahead of the bytes, off the loop
                     threading.Thread(target=prefault, args=(buffer,), name="swarmrun-prefault", daemon=True).start()
-                start(self._keep(manifest_hash, Partial(manifest, buffer)))
+                start(self._keep(manifest_hash, self.partials.get(manifest_hash) or Partial(manifest, buffer)))
 
         if manifest_hash in self.partials:
             stats.resumed_chunks = len(self.partials[manifest_hash].have)
@@ -395,7 +397,8 @@ class Fetcher:
                    "then every provider failed or lied" if time.monotonic() < deadline else "the deadline passed")
             raise FetchFailed(f"could not fetch {manifest_hash[:12]} from {len(providers)} provider(s): {why}")
         partial, plan = download.partial, download.plan
-        del self.partials[manifest_hash]
+        if self.partials.get(manifest_hash) is partial:
+            del self.partials[manifest_hash]
         if not partial.check.done or partial.check.faults:
             # every chunk verified, so the manifest itself describes other tensors than its chunks hold
             raise FetchFailed(f"{manifest_hash[:12]}: {(partial.check.faults or ['tensor check incomplete'])[0]}")

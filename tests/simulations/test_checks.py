@@ -130,9 +130,12 @@ def test_nft_rules_follow_the_link_state():
     assert "numgen random mod 1000 < 125 drop" in rules
 
 
-def test_blocks_per_step_takes_each_steps_first_report():
+def test_blocks_per_step_keeps_the_steps_whose_reports_agree():
     rec = healthy()
     rec.events[0][2]["blocks"] = [[0, 4], [9, 10]]
     rec.events[1][2]["blocks"] = [[0, 4], [9, 10]]
     rec.events[2][2]["blocks"] = [[4, 9]]
+    rec.events[3][2]["blocks"] = [[4, 9]]
     assert blocks_per_step(rec) == {1: [[0, 4], [9, 10]], 2: [[4, 9]]}  # step 3 reported none
+    rec.events[3][2]["blocks"] = [[10, 12]]  # another history's step 2
+    assert blocks_per_step(rec) == {1: [[0, 4], [9, 10]]}

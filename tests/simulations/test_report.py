@@ -71,3 +71,18 @@ def test_the_loss_comparison_reports_the_data_order_noise_beside_the_check():
     noise = loss["data_order_noise"]
     assert noise["losses"] == [0.99, 1.04] and abs(noise["max"] - 0.04) < 1e-9
     assert "data_order_noise" not in compare_loss(rec, {"eval": {3: 1.0}, "samples": {3: 192}}, rel_tol=0.02, abs_tol=0.0)
+
+
+def test_the_baseline_replays_the_swarms_blocks_and_falls_back_to_the_data_order(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).parents[2])
+    for name, step3 in (("replay", [[16, 24]]), ("wrong", [[16, 17]])):  # block size 8: 64 samples, then 8
+        rec = healthy()
+        for _, _, e in rec.events:
+            if e["event"] == "step":
+                e["blocks"] = {1: [[0, 8]], 2: [[8, 16]], 3: step3}[e["step"]]
+        rec.events.append((7.2, "peer0.0", {"event": "eval", "step": 3, "loss": 0.5}))
+        write_record(tmp_path / name, rec)
+        sim_main(["report", str(tmp_path / name), "--trace", SMOKE, "--json"])
+        loss = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"]
+        assert loss["step"] == 3 and loss["baseline_data"] == {"replay": "swarm_blocks", "wrong": "data_order"}[name]
+        assert loss["baseline_loss"] > 0

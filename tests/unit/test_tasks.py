@@ -60,7 +60,6 @@ def test_synthetic_other_seed_other_model_and_data():
     assert SyntheticTask({"noise": 0.5}, 7).data_fingerprint() != a.data_fingerprint()
 
 
-
 def test_synthetic_evaluates_on_held_out_examples():
     a, b = SyntheticTask({"eval_examples": 256}, 7), SyntheticTask({"eval_examples": 256}, 7)
     x, y = a.eval_batch()
@@ -68,12 +67,14 @@ def test_synthetic_evaluates_on_held_out_examples():
     assert torch.equal(x, b.eval_batch()[0]) and torch.equal(y, b.eval_batch()[1])  # fixed by the seed
     train_x, _ = a.get_batch(range(a.num_examples()))
     assert not (x[:, None, :] == train_x[None, :, :]).all(-1).any()  # not one of them is a training example
-    # the training data does not depend on the held-out draw (it comes after)
+    # the training data, and so the data fingerprint, do not depend on the held-out examples
     assert torch.equal(train_x, SyntheticTask({"eval_examples": 3}, 7).get_batch(range(a.num_examples()))[0])
+    assert a.data_fingerprint() == SyntheticTask({}, 7).data_fingerprint()
     model = a.build_model()
     assert a.evaluate(model, torch.device("cpu")) == pytest.approx(float(a.loss(model, (x, y))))
     with pytest.raises(TaskError):
         SyntheticTask({"eval_examples": 0}, 7)
+
 
 def test_build_model_leaves_global_rng_alone():
     torch.manual_seed(123)

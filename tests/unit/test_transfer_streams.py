@@ -215,6 +215,7 @@ def test_only_the_newest_partial_downloads_are_kept():
         assert list(fetcher.partials) == hashes[2:]
     asyncio.run(main())
 
+
 class _SlowWriter:
     def __init__(self, writer, delay: float):
         self.writer, self.delay = writer, delay

@@ -74,7 +74,7 @@ class SyntheticTask(Task):
         noise = torch.randn((n, 1), generator=g, dtype=torch.float64)
         self._x = x.to(torch.float32).contiguous()
         self._y = (x @ w + a["noise"] * noise).to(torch.float32).contiguous()
-        g_eval = _seeded.generator(self.seed, self.name, "eval")  # drawn after the data: it changes nothing there
+        g_eval = _seeded.generator(self.seed, self.name, "eval")  # its own stream: the training data does not depend on it
         x = torch.randn((a["eval_examples"], dim), generator=g_eval, dtype=torch.float64)
         noise = torch.randn((a["eval_examples"], 1), generator=g_eval, dtype=torch.float64)
         self._eval = (x.to(torch.float32).contiguous(), (x @ w + a["noise"] * noise).to(torch.float32).contiguous())
@@ -82,7 +82,9 @@ class SyntheticTask(Task):
 
     def _hash(self) -> str:
         h = hashlib.sha256()
-        header = {"task": self.name, "version": self.version, "args": self.args, "seed": self.seed}
+        # the training data only: the held-out evaluation set's size names no other data (and older runs keep theirs)
+        args = {k: v for k, v in self.args.items() if k != "eval_examples"}
+        header = {"task": self.name, "version": self.version, "args": args, "seed": self.seed}
         h.update(json.dumps(header, sort_keys=True).encode() + b"\0")
         for t in (self._x, self._y):
             h.update(t.numpy().tobytes())
