@@ -149,22 +149,21 @@ def _finish(folder: Path, trace, rec, *, cleaned: bool, run_id: str, args, out, 
             blocks = blocks_per_step(rec)
             replay = [blocks.get(s) for s in range(1, len(ordered) + 1)]
             replay = None if None in replay else replay  # a record of peers that did not report their blocks
+            same = dict(task=trace.task, sets=trace.sets, seed=trace.seed, samples_per_step=ordered,
+                        eval_steps=sorted(eval_losses(rec)))
             out("sim", message=f"baseline: {len(ordered)} steps in one process, on "
                                + ("the blocks each step of the swarm applied" if replay else "the run's data order"))
             try:
-                baseline = run_baseline(task=trace.task, sets=trace.sets, seed=trace.seed, samples_per_step=ordered,
-                                        eval_steps=sorted(eval_losses(rec)), blocks_per_step=replay)
+                baseline = run_baseline(**same, blocks_per_step=replay)
             except (ValueError, ProtocolError) as e:
                 if replay is None:
                     raise
                 out("sim", message=f"baseline: the swarm's blocks cannot be replayed ({e}); on the data order instead")
                 replay = None
-                baseline = run_baseline(task=trace.task, sets=trace.sets, seed=trace.seed, samples_per_step=ordered,
-                                        eval_steps=sorted(eval_losses(rec)))
+                baseline = run_baseline(**same)
             baseline["data"] = "swarm_blocks" if replay else "data_order"
-            baseline["other_orders"] = [run_baseline(task=trace.task, sets=trace.sets, seed=trace.seed,
-                                                     samples_per_step=ordered, eval_steps=sorted(eval_losses(rec)),
-                                                     order_shift=k)["eval"] for k in range(1, ORDER_NOISE_RUNS + 1)]
+            baseline["other_orders"] = [run_baseline(**same, order_shift=k)["eval"]
+                                        for k in range(1, ORDER_NOISE_RUNS + 1)]
     loss = compare_loss(rec, baseline, rel_tol=trace.loss_tolerance, abs_tol=trace.loss_abs_tolerance)
     invariants, problems = check_all(rec, cleaned=cleaned, loss_ok=loss.get("ok") if baseline else None)
     summary = figures(rec, trace.name, run_id, loss, wall_s)

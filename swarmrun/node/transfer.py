@@ -358,7 +358,7 @@ class Fetcher:
                 buffer = alloc_buffer(manifest.total_bytes)
                 if manifest.total_bytes >= PREFAULT_MIN_BYTES:  # its pages mapped ahead of the bytes, off the loop
                     threading.Thread(target=prefault, args=(buffer,), name="swarmrun-prefault", daemon=True).start()
-                start(self._keep(manifest_hash, self.partials.get(manifest_hash) or Partial(manifest, buffer)))
+                start(self._keep(manifest_hash, Partial(manifest, buffer)))
 
         if manifest_hash in self.partials:
             stats.resumed_chunks = len(self.partials[manifest_hash].have)
@@ -397,8 +397,7 @@ class Fetcher:
                    "then every provider failed or lied" if time.monotonic() < deadline else "the deadline passed")
             raise FetchFailed(f"could not fetch {manifest_hash[:12]} from {len(providers)} provider(s): {why}")
         partial, plan = download.partial, download.plan
-        if self.partials.get(manifest_hash) is partial:
-            del self.partials[manifest_hash]
+        self.partials.pop(manifest_hash, None)
         if not partial.check.done or partial.check.faults:
             # every chunk verified, so the manifest itself describes other tensors than its chunks hold
             raise FetchFailed(f"{manifest_hash[:12]}: {(partial.check.faults or ['tensor check incomplete'])[0]}")

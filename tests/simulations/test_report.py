@@ -82,7 +82,7 @@ def test_the_baseline_replays_the_swarms_blocks_and_falls_back_to_the_data_order
                 e["blocks"] = {1: [[0, 8]], 2: [[8, 16]], 3: step3}[e["step"]]
         rec.events.append((7.2, "peer0.0", {"event": "eval", "step": 3, "loss": 0.5}))
         write_record(tmp_path / name, rec)
-        sim_main(["report", str(tmp_path / name), "--trace", SMOKE, "--json"])
+        sim_main(["report", str(tmp_path / name), "--trace", SMOKE, "--json"])  # 1: the record's made-up eval loss
         loss = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"]
         assert loss["step"] == 3 and loss["baseline_data"] == {"replay": "swarm_blocks", "wrong": "data_order"}[name]
         assert loss["baseline_loss"] > 0
