@@ -45,10 +45,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="restart the run from a snapshot (the newest complete one, or STEP); --set may change "
                         "lr, target_batch_size, total_steps (owner's --state-dir only)")
     j.add_argument("--snapshot-to", default=None, metavar="STORE",
-                   help="write snapshots of the run to this directory or fsspec URL (one elected peer writes)")
+                   help="write snapshots of the run to this directory or fsspec URL (one peer is elected among "
+                        "those with a store)")
     j.add_argument("--snapshot-every", default="auto", metavar="N|Nm|Ns|auto",
                    help="every N steps, N minutes or seconds, or auto: Young/Daly from the measured cost and "
-                        "the observed failure rate (default)")
+                        "the observed failure rate (default). One write at a time: a step that commits while one "
+                        "is in flight is skipped")
     j.add_argument("--snapshot-keep", type=int, default=3, metavar="K", help="keep the last K snapshots (default 3)")
     j.add_argument("--access", default="open", choices=("open", "invite"),
                    help="a new run's access policy: open (anyone who knows it; default) or invite (certificates "

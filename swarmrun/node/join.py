@@ -267,7 +267,8 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
         if opts.snapshot is not None:
             writer = SnapshotWriter(trainer, options=opts.snapshot, signed=signed, history=history, events=events)
         side = SnapshotSide(trainer=trainer, signed=signed, history=history, events=events, writer=writer,
-                            started_step=state.step)
+                            started_step=state.step,
+                            fallback_store=str(opts.swarm.state_dir / "snapshots" / spec.run_id))
         if plan is not None:
             events.emit("resumed", step=state.step, state_hash=trainer.state_hash, where=plan.snapshot.where,
                         manifest_hash=plan.snapshot.frozen.manifest.manifest_hash(),

@@ -48,7 +48,8 @@ def add_parsers(sub, *, epilog: str, swarm_args: Callable) -> None:
                         epilog=epilog, formatter_class=_FMT)
     pz.add_argument("run_id", metavar="RUN_ID")
     swarm_args(pz)
-    pz.add_argument("--to", default="", metavar="STORE", help="store to write (default: the peers' --snapshot-to)")
+    pz.add_argument("--to", default="", metavar="STORE", help="store every trainer can write to (default: the --snapshot-to of "
+                    "the elected trainer; without one anywhere the pause is refused, exit 2)")
     pz.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the swarm (default 180)")
     pz.add_argument("--json", action="store_true")
 
@@ -289,6 +290,10 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
         trainers = {p for p, r in view.trainers.items() if not r.finished}
         if not trainers:
             raise RunNotFound(f"run {run_id!r} has no live trainer to pause")
+        if not store and not any(view.trainers[p].snapshots for p in trainers):
+            raise UsageError(f"no live trainer of run {run_id!r} takes snapshots (none was started with "
+                             f"--snapshot-to): give --to STORE, a directory or URL every trainer can write to; "
+                             f"nothing was paused")
         record = PauseRecord(run_id=run_id, spec_hash=spec.spec_hash(), at_step=view.newest_step + 1, store=store,
                              time=get_dht_time())
         from dataclasses import replace

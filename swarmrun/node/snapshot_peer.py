@@ -25,12 +25,14 @@ from ..protocol.snapshot import (
     PauseRecord,
     SnapshotPolicy,
     amend_changes,
+    decide_pause_turn,
     decide_snapshot,
     elect_writer,
     history_key,
     parse_every,
     pause_key,
     paused_key,
+    writer_candidates,
 )
 from ..protocol.spec import SignedSpec, Spec, amend
 from .snapshot import Snapshot, SnapshotStore, WriteResult, open_ref
@@ -40,6 +42,8 @@ from .swarm import public_key_bytes, verify_signature
 logger = logging.getLogger("swarmrun.snapshot")
 HISTORY_TTL = 120.0
 NOTE_TTL = 300.0
+PAUSE_TAKEOVER = 30.0  # seconds a paused peer waits for each writer ahead of it before it writes the snapshot itself
+PAUSE_GIVE_UP = 600.0  # a paused peer whose every write failed leaves after this long without any snapshot
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +177,8 @@ class SnapshotWriter:
         self._last_commit = now
         t = self.trainer
         self.failures.update(now, t.view.trainers, t.peer_id)
-        elected = elect_writer(t.view.trainers, t.peer_id) == t.peer_id
+        stores = {p: r.snapshots for p, r in t.view.trainers.items()}
+        elected = elect_writer(writer_candidates(stores, t.peer_id, i_write=True)) == t.peer_id
         d = decide_snapshot(now, step=frozen.step, last_step=self.last_step, last_time=self.last_time,
                             policy=self.policy, cost_s=self.cost_s, failures=self.failures.failures,
                             observed_s=self.failures.observed_s(now), elected=elected)
@@ -259,6 +264,7 @@ class SnapshotSide:
     history: tuple[bytes, ...]
     events: object
     writer: Optional[SnapshotWriter] = None
+    fallback_store: str = ""  # where a peer without --snapshot-to writes when a pause or its leaving needs it
     started_step: int = 0
     started_time: float = field(default_factory=get_dht_time)
     pause: Optional[PauseRecord] = None
@@ -271,6 +277,7 @@ class SnapshotSide:
         self.started_step = max(self.started_step, t.state.step)
         self.started_time = get_dht_time()
         if self.writer is not None:
+            t.snapshots = True  # its reports say so: only a peer with a store is elected writer
             t.commit_hooks.append(self.writer.on_commit)
         t.commit_hooks.append(self._on_commit)
         self._tasks.append(asyncio.ensure_future(self._watch_pause()))
@@ -331,23 +338,66 @@ class SnapshotSide:
         if self.pause is not None and frozen.step >= self.pause.at_step:
             self.trainer.stop_requested.set()  # called before the trainer loop goes on: no further step starts
 
-    async def _write_pause_snapshot(self) -> PauseNote:
+    async def _pause_snapshot(self) -> PauseNote:
         """The state this peer stopped at (a round in flight when the pause came may have committed one more
-        step, on all its participants alike); the elected writer writes it."""
+        step, on all its participants alike) is written by the elected writer, or by the next one if it fails;
+        this peer says it left only once a durable snapshot of its step exists (``decide_pause_turn``)."""
+        from .trainer import read_subkeys
+
         t = self.trainer
         frozen = t.frozen
-        if elect_writer(t.view.trainers, t.peer_id) != t.peer_id:
-            return PauseNote(step=frozen.step, left=True)
-        if self.writer is None and not self.pause.store:
-            return PauseNote(step=frozen.step, left=True,
-                             error="the elected writer has no --snapshot-to and the pause gave no --to")
-        writer = self.writer or SnapshotWriter(t, options=SnapshotOptions(store=self.pause.store),
-                                               signed=self.signed, history=self.history, events=self.events)
-        store = SnapshotStore(self.pause.store, keep=writer.policy.keep) if self.pause.store and self.writer else None
-        result = await writer.write_now(frozen, "pause", store)
-        return PauseNote(step=frozen.step, left=True, where=result.where if result else "",
-                         state_hash=frozen.manifest.state_hash(), manifest_hash=frozen.manifest.manifest_hash(),
-                         error="" if result else "the snapshot could not be written (see the peer's log)")
+        stores = {p: r.snapshots for p, r in t.view.trainers.items() if not r.finished}
+        candidates = writer_candidates(stores, t.peer_id, i_write=self.writer is not None,
+                                       pause_store=self.pause.store)
+        since = time.monotonic()
+        mine: Optional[PauseNote] = None
+        while time.monotonic() - since < PAUSE_GIVE_UP:
+            try:
+                notes = await read_subkeys(t.dht, paused_key(t.spec.run_id), PauseNote.decode)
+            except Exception as e:
+                logger.debug(f"could not read the pause notes: {e!r}")
+                notes = {}
+            if mine is not None:
+                notes[t.peer_id] = mine
+            turn = decide_pause_turn(now=time.monotonic(), since=since, me=t.peer_id, candidates=candidates,
+                                     trainers=stores, notes=notes, step=frozen.step, takeover_s=PAUSE_TAKEOVER)
+            if turn.action == "leave":
+                logger.info(f"leaving the paused run: {turn.reason}")
+                return PauseNote(step=frozen.step, left=True)
+            if turn.action == "write" and mine is None:
+                logger.info(f"writing the pause snapshot of step {frozen.step}: {turn.reason}")
+                mine = await self._write_pause(frozen)
+                if mine.where:
+                    return mine
+                await self._note(mine)  # the next writer takes over at once
+            await asyncio.sleep(0.5)
+        logger.error(f"leaving the paused run after {PAUSE_GIVE_UP:.0f}s without a durable snapshot of step "
+                     f"{frozen.step}: every write failed (see above)")
+        return mine or PauseNote(step=frozen.step, left=True, error="no snapshot could be written")
+
+    async def _write_pause(self, frozen: FrozenState) -> PauseNote:
+        """Write to the pause's store, else this peer's own, else its fallback store in its state dir."""
+        urls = [u for u in (self.pause.store, self.writer.options.store if self.writer else "", self.fallback_store)
+                if u]
+        for url in dict.fromkeys(urls):
+            result = await self.write_to(frozen, "pause", url)
+            if result is not None:
+                return PauseNote(step=frozen.step, left=True, where=result.where,
+                                 state_hash=frozen.manifest.state_hash(), manifest_hash=frozen.manifest.manifest_hash())
+        return PauseNote(step=frozen.step, left=True, error="the snapshot could not be written (see the peer's log)")
+
+    async def write_to(self, frozen: FrozenState, reason: str, url: str) -> Optional[WriteResult]:
+        """Write ``frozen`` to the store at ``url`` now (through this peer's writer when it has one)."""
+        try:
+            if self.writer is not None:
+                store = None if url == self.writer.options.store else SnapshotStore(url, keep=self.writer.policy.keep)
+                return await self.writer.write_now(frozen, reason, store)
+            writer = SnapshotWriter(self.trainer, options=SnapshotOptions(store=url), signed=self.signed,
+                                    history=self.history, events=self.events)
+            return await writer.write_now(frozen, reason)
+        except SwarmrunError as e:
+            logger.warning(f"could not write a snapshot to {url}: {e}")
+            return None
 
     async def _note(self, note: PauseNote) -> None:
         try:
@@ -356,10 +406,21 @@ class SnapshotSide:
         except Exception as e:
             logger.warning(f"could not publish the pause note: {e!r}")
 
+    async def _fresh_view(self):
+        """The run's reports now (peers that left just before this one say so in their last report)."""
+        from .trainer import read_view
+
+        try:
+            return await read_view(self.trainer.dht, self.trainer.spec.run_id, self.trainer.gate)
+        except Exception as e:
+            logger.debug(f"could not read the run's reports: {e!r}")
+            return self.trainer.view
+
     async def close(self, reason: str) -> None:
-        """Before leaving: finish the write in flight; a paused peer's elected writer writes the state it stopped
-        at and every paused peer says it left (one note per peer); otherwise the last trainer of a run with a
-        store writes its state."""
+        """Before leaving: finish the write in flight. A paused peer leaves once a snapshot of the state it stopped
+        at is durable (``_pause_snapshot``) and says so (one note per peer). Otherwise the last trainer of the run
+        that has a store writes its state, and the last trainer of all, when none has one, writes it to its state
+        dir (``fallback_store``): a leave never takes the run's committed steps with it."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -367,9 +428,20 @@ class SnapshotSide:
         if self.writer is not None:
             await self.writer.flush()
         if self.pause is not None and t.frozen is not None and t.frozen.step >= self.pause.at_step:
-            await self._note(await self._write_pause_snapshot())
+            await self._note(await self._pause_snapshot())
             return
+        others = {p: r for p, r in (await self._fresh_view()).trainers.items()
+                  if p != t.peer_id and not r.finished and not r.left}
+        if reason not in ("stopped", "max_steps") or t.frozen is None or any(r.snapshots for r in others.values()):
+            return
+        # this peer is the last one of the run that can snapshot: its state must not leave with it
         if self.writer is not None:
-            others = [p for p, r in t.view.trainers.items() if p != t.peer_id and not r.finished]
-            if reason in ("stopped", "max_steps") and not others and t.frozen is not None:
-                await self.writer.write_now(t.frozen, "last peer of the run leaving")
+            if others:
+                logger.warning(f"the last peer with a snapshot store leaves; {len(others)} peer(s) train on "
+                               f"without snapshots")
+            await self.writer.write_now(t.frozen, "last peer of the run with a store leaving")
+        elif not others and self.fallback_store:
+            result = await self.write_to(t.frozen, "last peer of the run leaving", self.fallback_store)
+            if result is not None:
+                logger.warning(f"the last peer of the run had no --snapshot-to: its state is in its state dir; "
+                               f"resume with --resume-from {result.where}")

@@ -103,6 +103,7 @@ class Trainer(CatchUp):
         self._seen: dict[str, float] = {}  # trainer -> when this peer last saw it live
         self.stop_requested = asyncio.Event()
         self.finished = False
+        self.snapshots = False  # this peer has a snapshot store (set by its SnapshotSide; reported to the others)
         self.samples_per_second = 0.0
         self.last_loss: Optional[float] = None
         self.failed_rounds = 0
@@ -483,14 +484,16 @@ class Trainer(CatchUp):
     # ---- progress reports ----------------------------------------------------------------------------
     def _report(self) -> ProgressReport:
         # a leaving peer releases its blocks in its last report rather than holding them until the report expires
-        leaving = self.finished or self.stop_requested.is_set() or (
+        left = self.stop_requested.is_set() or (
             self.config.max_steps is not None and self.state.step >= self.config.max_steps)
+        leaving = self.finished or left
         return ProgressReport(step=self.state.step, samples=self.samples, samples_per_second=self.samples_per_second,
                               role=self.config.role, state_hash=self.state_hash, time=get_dht_time(),
                               finished=self.finished or self.state.step >= self.spec.total_steps,
                               certificate=self.gate.credentials or b"",
                               claimed=RangeSet() if leaving else self.claimed, data_epoch=self.state.cursor.data_epoch,
-                              cursor=self.state.cursor.summary())
+                              cursor=self.state.cursor.summary(), snapshots=self.snapshots,
+                              left=left)
 
     def _provider_record(self) -> Optional[ProviderRecord]:
         if self.server is None or self.frozen is None:

@@ -306,11 +306,18 @@ class ProgressReport:
     # the reporter's data accounting at ``step`` (DataCursor.summary()); None from a peer that sends none
     cursor: Optional[Mapping[str, int]] = None
     certificate: bytes = b""  # the reporter's access certificate (invite-only runs)
+    # the reporter has a snapshot store (--snapshot-to): it can be the run's elected snapshot writer
+    snapshots: bool = False
+    left: bool = False  # the reporter's last report: it stopped training (max_steps, a signal, a pause)
 
     def encode(self) -> bytes:
         extra = {"cursor": dict(self.cursor)} if self.cursor is not None else {}
         if self.certificate:
             extra["certificate"] = self.certificate
+        if self.snapshots:
+            extra["snapshots"] = True
+        if self.left:
+            extra["left"] = True
         return pack(dict(type="progress", version=ROUND_VERSION, step=self.step, samples=self.samples,
                          sps=self.samples_per_second, role=self.role.value, state_hash=self.state_hash,
                          time=self.time, maddrs=list(self.maddrs[:8]), finished=self.finished,
@@ -323,12 +330,14 @@ class ProgressReport:
         _require(isinstance(maddrs, list) and all(isinstance(m, str) and len(m) < 512 for m in maddrs), "maddrs")
         _require(d.get("role") in {r.value for r in Role}, "role")
         _require(isinstance(d.get("finished", False), bool), "finished")
+        _require(isinstance(d.get("snapshots", False), bool) and isinstance(d.get("left", False), bool), "flags")
         return cls(step=_int(d, "step"), samples=_int(d, "samples", 0, 2**40), samples_per_second=_float(d, "sps"),
                    role=Role(d["role"]), state_hash=_str(d, "state_hash", 128), time=_float(d, "time"),
                    maddrs=tuple(maddrs), finished=d.get("finished", False),
                    claimed=RangeSet.from_list(d.get("claimed", [])), data_epoch=_int(d, "data_epoch"),
                    cursor=_summary(d["cursor"]) if "cursor" in d else None,
-                   certificate=_bytes(d, "certificate", 8192) if "certificate" in d else b"")
+                   certificate=_bytes(d, "certificate", 8192) if "certificate" in d else b"",
+                   snapshots=d.get("snapshots", False), left=d.get("left", False))
 
 
 def _bytes(d: Mapping, key: str, max_len: int) -> bytes:

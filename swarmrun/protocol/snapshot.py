@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -20,7 +20,7 @@ from swarmrun.protocol.manifest import MAX_MANIFEST_SIZE, Manifest
 
 __all__ = [
     "SNAPSHOT_VERSION", "SnapshotRecord", "Amendment", "PauseRecord", "PauseNote", "AMENDABLE",
-    "parse_store_ref", "record_path", "step_of_record_path", "retained", "elect_writer",
+    "parse_store_ref", "record_path", "step_of_record_path", "retained", "writer_candidates", "elect_writer", "PauseTurn", "decide_pause_turn",
     "young_daly_interval", "estimate_mtbf", "SnapshotPolicy", "decide_snapshot", "pause_key", "paused_key",
     "history_key", "parse_every", "SnapshotDecision", "amend_changes", "FailureWatch",
 ]
@@ -232,11 +232,57 @@ def retained(steps: Iterable[int], keep: int) -> tuple[list[int], list[int]]:
 
 
 # ---- who writes, and when ---------------------------------------------------------------------------
-def elect_writer(trainers: Iterable[str], me: str) -> str:
-    """One elected writer: the lowest peer id among the live trainers (this peer included). Every peer computes
-    it from its view of the same progress reports; a brief disagreement makes two writers of the same state,
-    which the content-addressed store makes harmless."""
-    return min(set(trainers) | {me})
+def writer_candidates(stores: Mapping[str, bool], me: str, *, i_write: bool, pause_store: str = "") -> list[str]:
+    """The live trainers that can write the run's snapshot, in election order (lowest peer id first).
+
+    Args:
+        stores: each live trainer's peer id -> whether it reports a snapshot store (``--snapshot-to``).
+        i_write: this peer has a store (its own report may not be in ``stores`` yet).
+        pause_store: a pause's ``--to``: every trainer can write there, so every one is a candidate.
+    A peer without a store is never elected: electing one lost a paused run's 66 steps once (it had nowhere to
+    write, and the others stopped anyway)."""
+    if pause_store:
+        return sorted(set(stores) | {me})
+    return sorted({p for p, has in stores.items() if has} | ({me} if i_write else set()))
+
+
+def elect_writer(candidates: Iterable[str]) -> Optional[str]:
+    """The elected writer: the first candidate (lowest peer id). Every peer computes it from its view of the same
+    progress reports; a brief disagreement makes two writers of the same state, which the content-addressed store
+    makes harmless. None when no peer can write."""
+    return min(candidates, default=None)
+
+
+@dataclass(frozen=True)
+class PauseTurn:
+    """What a stopped peer does next while a pause's snapshot is not yet durable."""
+
+    action: str  # "leave": a snapshot of this step exists; "write": write it now; "wait": another writes it
+    reason: str
+
+
+def decide_pause_turn(*, now: float, since: float, me: str, candidates: Sequence[str], trainers: Iterable[str],
+                      notes: Mapping[str, PauseNote], step: int, takeover_s: float) -> PauseTurn:
+    """A paused peer leaves only once a durable snapshot of a step at least its own exists (a pause must never cost
+    committed steps). Candidates write in election order; the one at position k takes over after every peer before
+    it failed (its note says so) or after ``k * takeover_s`` seconds without a snapshot. Peers that have no store of
+    their own come after every candidate (they write to their fallback store in their state dir).
+
+    Args:
+        since: when this peer stopped. notes: the pause notes published so far, by peer id.
+    """
+    durable = sorted((n for n in notes.values() if n.where and n.step >= step), key=lambda n: n.step)
+    if durable:
+        return PauseTurn("leave", f"a snapshot of step {durable[0].step} exists: {durable[0].where}")
+    order = list(candidates) + sorted((set(trainers) | {me}) - set(candidates))
+    ahead = order[:order.index(me)]
+    failed = [p for p in ahead if notes.get(p) is not None and notes[p].error]
+    if len(failed) == len(ahead):
+        why = "this peer is the elected writer" if not ahead else f"{len(failed)} writer(s) before it failed"
+        return PauseTurn("write", why)
+    if now - since >= len(ahead) * takeover_s:
+        return PauseTurn("write", f"no snapshot after {now - since:.0f}s from the {len(ahead)} writer(s) before it")
+    return PauseTurn("wait", f"writer {ahead[0]} writes the snapshot")
 
 
 def young_daly_interval(cost_s: float, mtbf_s: float) -> float:

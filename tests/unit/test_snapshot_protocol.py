@@ -16,11 +16,13 @@ from swarmrun.protocol.snapshot import (
     SnapshotPolicy,
     SnapshotRecord,
     amend_changes,
+    decide_pause_turn,
     decide_snapshot,
     elect_writer,
     estimate_mtbf,
     parse_every,
     retained,
+    writer_candidates,
     young_daly_interval,
 )
 
@@ -72,9 +74,46 @@ def test_decide_snapshot_policies():
 
 
 def test_election_and_retention():
-    assert elect_writer({"QmB", "QmC"}, "QmD") == "QmB"
-    assert elect_writer({}, "QmD") == "QmD"
+    assert elect_writer({"QmB", "QmC"}) == "QmB"
+    assert elect_writer(set()) is None
     assert retained([3, 1, 2, 5], 2) == ([5, 3], [2, 1])
+
+
+def test_only_a_peer_with_a_store_is_elected_unless_the_pause_names_one():
+    """README's walkthrough: A has --snapshot-to, B (the lowest peer id) has not. B must never be elected."""
+    stores = {"QmA": True, "QmB": False}
+    assert writer_candidates(stores, "QmB", i_write=False) == ["QmA"]
+    assert elect_writer(writer_candidates(stores, "QmA", i_write=True)) == "QmA"
+    assert writer_candidates(stores, "QmB", i_write=False, pause_store="/s") == ["QmA", "QmB"]
+    assert writer_candidates({}, "QmC", i_write=True) == ["QmC"]  # its own report not seen yet
+    assert writer_candidates({"QmB": False}, "QmB", i_write=False) == []
+
+
+def _turn(me, notes=(), *, waited=0.0, candidates=("QmA", "QmC"), trainers=("QmA", "QmB", "QmC"), step=67):
+    return decide_pause_turn(now=100.0 + waited, since=100.0, me=me, candidates=list(candidates), trainers=trainers,
+                             notes=dict(notes), step=step, takeover_s=30.0)
+
+
+def test_a_paused_peer_leaves_only_once_a_snapshot_of_its_step_exists():
+    assert _turn("QmA").action == "write"  # the elected writer writes at once
+    assert _turn("QmC").action == "wait" and _turn("QmB").action == "wait"
+    written = {"QmA": PauseNote(step=67, left=True, where="store@67")}
+    assert _turn("QmB", written).action == "leave" and _turn("QmC", written).action == "leave"
+    older = {"QmA": PauseNote(step=66, left=True, where="store@66")}  # a snapshot of an older step is not enough
+    assert _turn("QmB", older).action == "wait"
+
+
+def test_the_next_writer_takes_over_after_a_failure_or_a_silence():
+    failed = {"QmA": PauseNote(step=67, left=True, error="disk full")}
+    assert _turn("QmC", failed).action == "write"  # at once
+    assert _turn("QmB", failed).action == "wait"  # QmC is still ahead of it
+    assert _turn("QmC", waited=29.0).action == "wait" and _turn("QmC", waited=30.0).action == "write"
+    # a peer without a store comes after every candidate, and writes to its state dir
+    assert _turn("QmB", waited=59.0).action == "wait" and _turn("QmB", waited=60.0).action == "write"
+    both = {**failed, "QmC": PauseNote(step=67, left=True, error="denied")}
+    assert _turn("QmB", both).action == "write"
+    # no candidate at all (a race with the CLI's check): the peers without a store go in peer-id order
+    assert _turn("QmA", candidates=()).action == "write" and _turn("QmB", candidates=()).action == "wait"
 
 
 def test_failure_watch_counts_vanished_unfinished_trainers():

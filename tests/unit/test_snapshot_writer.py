@@ -21,10 +21,11 @@ class Recorder:
         self.events.append(dict(event=event, **fields))
 
 
-def fake_trainer(peer_id="QmB", others=()):
+def fake_trainer(peer_id="QmB", others=(), stores=True):
     spec, task = make_spec(run_id="w", task_cls=SyntheticTask, sets={}, seed=3, owner_key=b"k")
     state = initial_state(spec, task, "cpu")
-    view = SimpleNamespace(trainers={p: SimpleNamespace(finished=False) for p in (*others, peer_id)})
+    view = SimpleNamespace(trainers={p: SimpleNamespace(finished=False, snapshots=stores or p == peer_id)
+                                     for p in (*others, peer_id)})
     return SimpleNamespace(peer_id=peer_id, view=view, state=state, dht=None), SignedSpec(spec=spec, signature=b"s")
 
 
@@ -37,14 +38,16 @@ async def commit_steps(writer, trainer, steps):
         await writer.flush()  # one write at a time: let each finish, as a step's time would
 
 
-@pytest.mark.parametrize("others, expected", [((), [1, 3, 5]), (("QmA",), [])])
-async def test_elected_writer_writes_every_n_steps(tmp_path, others, expected):
-    trainer, signed = fake_trainer(others=others)
+@pytest.mark.parametrize("others, stores, expected", [((), True, [1, 3, 5]), (("QmA",), True, []),
+                                                      (("QmA",), False, [1, 3, 5])])
+async def test_elected_writer_writes_every_n_steps(tmp_path, others, stores, expected):
+    """QmA < QmB: QmA is the elected writer when it has a store; without one, QmB is (it has)."""
+    trainer, signed = fake_trainer(others=others, stores=stores)
     events = Recorder()
     writer = SnapshotWriter(trainer, options=SnapshotOptions(store=str(tmp_path / "s"), every="2", keep=10),
                             signed=signed, history=(b"h",), events=events)
     await commit_steps(writer, trainer, range(1, 6))
-    assert writer.store.steps() == expected  # QmA < QmB: the other peer is the elected writer
+    assert writer.store.steps() == expected
     assert [e["step"] for e in events.events if e["event"] == "snapshot"] == expected
     if expected:
         assert writer.store.read_record(5).history == (b"h",) and writer.store.read_record(5).writer == "QmB"
@@ -61,7 +64,7 @@ async def test_auto_policy_reports_interval_and_expected_replay(tmp_path):
     assert policy and policy[0]["interval_s"] > 1 and policy[0]["expected_replay_s"] >= policy[0]["interval_s"] / 2
     assert policy[0]["cost_s"] == pytest.approx(writer.cost_s)
     # a trainer that vanishes without finishing counts as a failure: a shorter interval
-    trainer.view.trainers["QmC"] = SimpleNamespace(finished=False)
+    trainer.view.trainers["QmC"] = SimpleNamespace(finished=False, snapshots=False)
     writer.on_commit(trainer.state.freeze())
     del trainer.view.trainers["QmC"]
     trainer.state.step = 9
@@ -101,3 +104,21 @@ def test_pause_record_is_honoured_only_from_the_owner_and_when_current(tmp_path)
     # the pause a resumed run was paused by (older, at or before the state it holds) is history
     assert not side._honoured(signed(owner, at_step=4, time=get_dht_time() - 60))
     assert side._honoured(signed(owner, at_step=5, time=get_dht_time() - 60))
+
+
+@pytest.mark.parametrize("other_has_store, writes", [(False, True), (True, False)])
+async def test_the_last_peer_with_a_store_writes_as_it_leaves(tmp_path, other_has_store, writes):
+    """A (store) leaves while B trains on: A writes its state unless B can snapshot the run itself."""
+    from swarmrun.node.snapshot_peer import SnapshotSide
+
+    trainer, signed = fake_trainer(peer_id="QmA", others=("QmB",), stores=other_has_store)
+    trainer.state.step = 7
+    trainer.frozen = trainer.state.freeze(chunk_size=4096)
+    trainer.view.trainers["QmB"].left = False
+    trainer.spec, trainer.gate = signed.spec, None  # dht=None: the fresh read fails, the last view stands
+    events = Recorder()
+    writer = SnapshotWriter(trainer, options=SnapshotOptions(store=str(tmp_path / "s"), every="1000"), signed=signed,
+                            history=(b"h",), events=events)
+    side = SnapshotSide(trainer=trainer, signed=signed, history=(b"h",), events=events, writer=writer)
+    await side.close("stopped")
+    assert writer.store.steps() == ([7] if writes else [])
