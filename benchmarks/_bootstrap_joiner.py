@@ -32,8 +32,8 @@ from hivemind.p2p import PeerID  # noqa: E402
 from _bootstrap_state import (LOOPS, MB, RAW_PROTOCOL, BenchAverager, apply_hivemind, build_state,  # noqa: E402
                               hivemind_prefix, make_dht, run_id_for, run_loop)
 from _common import emit  # noqa: E402
-from swarmrun.node.trainer import read_providers  # noqa: E402
-from swarmrun.node.transfer import Fetcher  # noqa: E402
+from swarmrun.node import read_providers  # noqa: E402
+from swarmrun.node import Fetcher  # noqa: E402
 from swarmrun.protocol.transfer import choose_state  # noqa: E402
 
 

@@ -29,8 +29,8 @@ from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
 from _bootstrap_state import (LOOPS, RAW_PROTOCOL, RAW_WRITE, BenchAverager, build_state,  # noqa: E402
                               hivemind_prefix, live_tensors, make_dht, run_id_for, run_loop)
 from _common import emit  # noqa: E402
-from swarmrun.node.swarm import record_validator, signed_subkey  # noqa: E402
-from swarmrun.node.transfer import StateServer, admit_open  # noqa: E402
+from swarmrun.node import record_validator, signed_subkey  # noqa: E402
+from swarmrun.node import StateServer, admit_open  # noqa: E402
 from swarmrun.protocol.transfer import ProviderRecord, providers_key  # noqa: E402
 
 PROVIDER_COUNTS = (1, 2, 4)

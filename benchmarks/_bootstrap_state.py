@@ -16,8 +16,8 @@ import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 
-from swarmrun.node.state import RunState
-from swarmrun.node.swarm import ensure_identity, record_validator
+from swarmrun.node import RunState
+from swarmrun.node import ensure_identity, record_validator
 from swarmrun.protocol.cursor import DataCursor
 
 RAW_PROTOCOL = "/swarmrun-bench/raw/1"  # the ceiling: raw hivemind P2P binary streams, 1 MiB writes
@@ -31,7 +31,7 @@ LOOPS = ("uvloop", "asyncio")
 
 
 def run_loop(kind: str, coro):
-    """Run ``coro`` on the event loop ``kind``: ``uvloop`` is what ``node`` runs on (``cli._run_async``),
+    """Run ``coro`` on the event loop ``kind``: ``uvloop`` is what ``node`` runs on (``cli.run_async``),
     ``asyncio`` the standard library's."""
     if kind == "uvloop":
         import uvloop

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from swarmrun.node.task import Task, batch_len, coerce_args, load_task_class
+from swarmrun.node import Task, batch_len, coerce_args, load_task_class
 from swarmrun.protocol.cursor import block_examples, block_order, num_blocks
 
 

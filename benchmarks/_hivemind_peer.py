@@ -33,7 +33,7 @@ def main() -> int:
     args = p.parse_args()
 
     import hivemind
-    from swarmrun.node.trainer import TrainerConfig
+    from swarmrun.node import TrainerConfig
 
     cfg = TrainerConfig()  # swarmrun's defaults: the same timeouts as `node join`
     task, hparams = build_task(args.task, parse_sets(args.sets), args.seed)

@@ -32,8 +32,8 @@ sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 
-from swarmrun.node.snapshot import SnapshotStore  # noqa: E402
-from swarmrun.node.state import RunState  # noqa: E402
+from swarmrun.node import SnapshotStore  # noqa: E402
+from swarmrun.node import RunState  # noqa: E402
 from swarmrun.protocol.cursor import DataCursor  # noqa: E402
 
 

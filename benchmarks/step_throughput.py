@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_SEED = 20261202  # swarmrun.node.join.DEFAULT_SEED; passed explicitly to every run anyway
+DEFAULT_SEED = 20261202  # swarmrun.node.DEFAULT_SEED; passed explicitly to every run anyway
 SYSTEMS = ("swarmrun", "hivemind", "local")
 
 

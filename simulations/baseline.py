@@ -17,8 +17,8 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from swarmrun.node.join import initial_state, make_spec
-from swarmrun.node.task import batch_len, load_task_class
+from swarmrun.node import initial_state, make_spec
+from swarmrun.node import batch_len, load_task_class
 from swarmrun.protocol.cursor import block_examples, block_order, num_blocks
 
 

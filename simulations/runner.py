@@ -1,6 +1,6 @@
 """The runner: real `node join` peers driven through a trace, every event recorded, everything cleaned up.
 
-Peers are started with :func:`swarmrun.node.demo.start_peer` (each in its own session, its ``--json`` events
+Peers are started with :func:`swarmrun.node.start_peer` (each in its own session, its ``--json`` events
 pumped into one queue). The main loop is one bounded ``while`` over that queue: it records each event, fires
 the trace's events when their time or step comes, and ends when the run finished (and its peers left), when
 no peer is left and none is due to join, or at the trace's ``duration``. ``finally`` SIGCONTs and SIGKILLs
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from swarmrun.node.demo import PeerProcess, start_peer
+from swarmrun.node import PeerProcess, start_peer
 from swarmrun.protocol.errors import SwarmrunError, UsageError
 
 from .checks import Life, Record
@@ -40,16 +40,16 @@ AUDIT_EVERY = 5.0  # seconds between two scans for connections that bypassed a d
 
 def pause_supported() -> bool:
     """Whether this installation has `node pause` and `node join --resume-from` (issue 5)."""
-    from swarmrun.node import cli
+    from swarmrun.node import build_parser
 
-    helps = cli._parser().format_help()
+    helps = build_parser().format_help()
     return " pause" in helps and "--resume-from" in _join_help()
 
 
 def _join_help() -> str:
-    from swarmrun.node import cli
+    from swarmrun.node import build_parser
 
-    parser = cli._parser()
+    parser = build_parser()
     for action in parser._actions:
         if getattr(action, "choices", None) and "join" in action.choices:
             return action.choices["join"].format_help()
@@ -557,7 +557,8 @@ def _last_index(rows: list, kind: str) -> int:
 
 
 def _default_hparam(task: str, key: str) -> int:
-    from swarmrun.node.task import TaskError, load_task_class
+    from swarmrun.protocol.errors import TaskError
+    from swarmrun.node import load_task_class
 
     try:
         return int(load_task_class(task).hparam_defaults[key])

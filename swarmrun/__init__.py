@@ -18,11 +18,11 @@ __all__ = ["Task", "ShardedTask", "make_task", "train"]
 
 def __getattr__(name):
     if name in ("make_task", "train"):
-        from .node import api
+        from swarmrun.node import api
 
         return getattr(api, name)
     if name in ("Task", "ShardedTask"):
-        from .node import task
+        from swarmrun.node.tasks import base as task
 
         return getattr(task, name)
     raise AttributeError(name)

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from swarmrun.node.demo import PeerProcess, start_peer
+from swarmrun.node.cli.demo import PeerProcess, start_peer
 
 
 class Swarm:

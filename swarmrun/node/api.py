@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from .task import Task, register_task
+from swarmrun.node.tasks.base import Task, register_task
 
 
 def make_task(name: str, *, model: Callable[[], torch.nn.Module], dataset, loss: Callable[[torch.nn.Module, Any], torch.Tensor],
@@ -73,11 +73,13 @@ def train(task: type[Task], run_id: str, *, peers: Sequence[str] = (), create: b
     Raises:
         SwarmrunError: with the exit code the CLI would use.
     """
-    from .cli import _run_async
-    from .join import DEFAULT_SEED, JoinOptions, run_peer
-    from .output import Events, setup_logging
-    from .swarm import SwarmConfig, kill_descendants, parse_maddrs
-    from .trainer import TrainerConfig
+    from swarmrun.node.runtime import run_async
+    from swarmrun.node.peer.build import DEFAULT_SEED
+    from swarmrun.node.peer.join import JoinOptions, run_peer
+    from swarmrun.node.output import Events, setup_logging
+    from swarmrun.node.net.swarm import SwarmConfig, parse_maddrs
+    from swarmrun.node.runtime import kill_descendants
+    from swarmrun.node.peer.trainer import TrainerConfig
 
     register_task(task)
     setup_logging(json_mode=json)
@@ -90,7 +92,7 @@ def train(task: type[Task], run_id: str, *, peers: Sequence[str] = (), create: b
                                              min_peers=min_peers))
     events = Events(json_mode=json)
     try:
-        return _run_async(run_peer(opts, events))
+        return run_async(run_peer(opts, events))
     finally:
         events.close()
         kill_descendants()

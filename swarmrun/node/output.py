@@ -43,7 +43,17 @@ def setup_logging(*, json_mode: bool, verbose: bool = False) -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     root.propagate = False
-    # hivemind logs through its own handler; keep it quiet unless asked
+    _hivemind["verbose"] = verbose
+    if "hivemind" in sys.modules:  # otherwise net/swarm.py calls it once hivemind is imported (a usage error of a
+        quiet_hivemind()           # command must not wait for hivemind's import)
+
+
+_hivemind = {"verbose": False}
+
+
+def quiet_hivemind() -> None:
+    """hivemind logs through its own handler: keep it quiet unless ``-v`` (call once hivemind is imported)."""
+    verbose = _hivemind["verbose"]
     logging.getLogger("hivemind").setLevel(logging.INFO if verbose else logging.ERROR)
     try:
         from hivemind.utils.logging import use_hivemind_log_handler

@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from .codec import pack
-from .errors import RemoteProtocolError
-from .round import _message, _require
+from swarmrun.protocol.codec import message, pack, require
+from swarmrun.protocol.errors import RemoteProtocolError
 
 ACCESS_VERSION = 1
 MAX_CERTIFICATE_BYTES = 8 * 1024
@@ -36,13 +35,13 @@ def revocation_key(run_id: str) -> str:
 
 def _str(d: Mapping, key: str, max_len: int = 128) -> str:
     v = d.get(key)
-    _require(isinstance(v, str) and 0 < len(v) <= max_len, f"{key} must be a non-empty string of at most {max_len}")
+    require(isinstance(v, str) and 0 < len(v) <= max_len, f"{key} must be a non-empty string of at most {max_len}")
     return v
 
 
 def _time(d: Mapping, key: str) -> float:
     v = d.get(key)
-    _require(isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and 0 <= v < 1e11,
+    require(isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and 0 <= v < 1e11,
              f"{key} must be a time")
     return float(v)
 
@@ -81,8 +80,8 @@ class Certificate:
     @classmethod
     def decode(cls, data: Any) -> Certificate:
         """Raises: RemoteProtocolError on any fault (the signature is checked by ``admit``)."""
-        d = _message(data, "certificate", ACCESS_VERSION, max_size=MAX_CERTIFICATE_BYTES)
-        _require(isinstance(d.get("signature"), bytes) and 0 < len(d["signature"]) <= 2048, "bad signature field")
+        d = message(data, "certificate", ACCESS_VERSION, max_size=MAX_CERTIFICATE_BYTES)
+        require(isinstance(d.get("signature"), bytes) and 0 < len(d["signature"]) <= 2048, "bad signature field")
         return cls(run_id=_str(d, "run_id", 64), peer_id=_str(d, "peer_id"), issued_at=_time(d, "issued_at"),
                    expires_at=_time(d, "expires_at"), signature=d["signature"])
 
@@ -117,11 +116,11 @@ class Revocations:
     @classmethod
     def decode(cls, data: Any) -> Revocations:
         """Raises: RemoteProtocolError on any fault."""
-        d = _message(data, "revocations", ACCESS_VERSION, max_size=MAX_REVOCATION_BYTES)
+        d = message(data, "revocations", ACCESS_VERSION, max_size=MAX_REVOCATION_BYTES)
         revoked = d.get("revoked")
-        _require(isinstance(revoked, list) and len(revoked) <= MAX_REVOKED
+        require(isinstance(revoked, list) and len(revoked) <= MAX_REVOKED
                  and all(isinstance(p, str) and 0 < len(p) <= 128 for p in revoked), "revoked must list peer ids")
-        _require(isinstance(d.get("signature"), bytes) and len(d["signature"]) <= 2048, "bad signature field")
+        require(isinstance(d.get("signature"), bytes) and len(d["signature"]) <= 2048, "bad signature field")
         return cls(run_id=_str(d, "run_id", 64), revoked=frozenset(revoked), issued_at=_time(d, "issued_at"),
                    signature=d["signature"])
 

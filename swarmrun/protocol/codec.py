@@ -149,3 +149,48 @@ def _check_tree(obj: Any, max_depth: int) -> None:
 def canonical_hash(obj: Any) -> str:
     """Return the sha256 hex digest of ``pack(obj)``."""
     return hashlib.sha256(pack(obj)).hexdigest()
+
+
+# ---- field validators shared by every message decoder ------------------------------------------------------
+def require(cond: bool, what: str) -> None:
+    if not cond:
+        raise RemoteProtocolError(what)
+
+
+def message(data: Any, kind: str, version: int, *, max_size: int) -> dict:
+    """Unpack a bounded msgpack message and check its ``type`` and ``version`` (the header every message has).
+
+    Raises:
+        RemoteProtocolError: not bytes, too large, not a map, another type, or a version this code does not read.
+    """
+    require(isinstance(data, (bytes, bytearray, memoryview)), f"a {kind} message is bytes")
+    d = unpack(bytes(data), max_size=max_size)
+    require(isinstance(d, dict) and d.get("type") == kind, f"not a {kind} message")
+    require(d.get("version") == version, f"unsupported {kind} version {d.get('version')!r}")
+    return d
+
+
+def int_field(d: Mapping, key: str, lo: int = 0, hi: int = 2**62) -> int:
+    v = d.get(key)
+    require(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, f"{key} must be an int in [{lo}, {hi}]")
+    return v
+
+
+def str_field(d: Mapping, key: str, max_len: int = 256) -> str:
+    v = d.get(key)
+    require(isinstance(v, str) and len(v) <= max_len, f"{key} must be a string of at most {max_len} chars")
+    return v
+
+
+def float_field(d: Mapping, key: str) -> float:
+    v = d.get(key)
+    require(isinstance(v, (int, float)) and not isinstance(v, bool), f"{key} must be a number")
+    v = float(v)
+    require(v == v and abs(v) != float("inf"), f"{key} must be finite")
+    return v
+
+
+def bytes_field(d: Mapping, key: str, max_len: int) -> bytes:
+    v = d.get(key)
+    require(isinstance(v, bytes) and len(v) <= max_len, f"{key} must be at most {max_len} bytes")
+    return v

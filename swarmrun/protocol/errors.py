@@ -69,6 +69,15 @@ class RemoteProtocolError(ProtocolError):
     """Bytes received from a peer were malformed, oversized or invalid."""
 
 
+class TaskError(ValueError):
+    """A task cannot be built from the given arguments (bad value, missing corpus, ...). Raised by task code;
+    the peer turns it into a ``UsageError`` (a new run) or an ``IncompatibleState`` (a run's spec)."""
+
+
+class Stopped(Exception):
+    """A stop was requested while the trainer waited on the swarm (not an error: the trainer leaves)."""
+
+
 class Reject(enum.Enum):
     """Reasons a peer refuses another peer's request."""
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
-from .codec import pack, unpack
-from .cursor import DataCursor, RangeSet, block_examples, block_order
-from .errors import Reject, Rejection, RemoteProtocolError
+from swarmrun.protocol.codec import bytes_field, float_field, int_field, message, pack, require, str_field
+from swarmrun.protocol.cursor import DataCursor, RangeSet, block_examples, block_order
+from swarmrun.protocol.errors import Reject, Rejection
 
 ROUND_VERSION = 1
 MAX_META_BYTES = 64 * 1024
@@ -23,7 +23,7 @@ MAX_REPORT_BYTES = 16 * 1024
 MAX_LEASE_RANGES = 256
 SUMMARY_KEYS = frozenset({"blocks_applied", "blocks_pending", "blocks_skipped", "blocks_duplicated", "data_epoch"})
 
-# DHT keys of a run (values are signed by the writer's key once access control lands)
+# DHT keys of a run (each value under a subkey signed by its writer's key: hivemind's RSASignatureValidator)
 def progress_key(run_id: str) -> str:
     """Subkey per peer: its ``ProgressReport``."""
     return f"swarmrun.{run_id}.progress"
@@ -39,42 +39,14 @@ def spec_key(run_id: str) -> str:
     return f"swarmrun.{run_id}.spec"
 
 
-def _require(cond: bool, what: str) -> None:
-    if not cond:
-        raise RemoteProtocolError(what)
 
 
-def _message(data: Any, kind: str, version: int, *, max_size: int) -> dict:
-    """Unpack a bounded msgpack message and check its ``type`` and ``version`` (the header every message has).
-
-    Raises:
-        RemoteProtocolError: not bytes, too large, not a map, another type, or a version this code does not read.
-    """
-    _require(isinstance(data, (bytes, bytearray, memoryview)), f"a {kind} message is bytes")
-    d = unpack(bytes(data), max_size=max_size)
-    _require(isinstance(d, dict) and d.get("type") == kind, f"not a {kind} message")
-    _require(d.get("version") == version, f"unsupported {kind} version {d.get('version')!r}")
-    return d
 
 
-def _int(d: Mapping, key: str, lo: int = 0, hi: int = 2**62) -> int:
-    v = d.get(key)
-    _require(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, f"{key} must be an int in [{lo}, {hi}]")
-    return v
 
 
-def _str(d: Mapping, key: str, max_len: int = 256) -> str:
-    v = d.get(key)
-    _require(isinstance(v, str) and len(v) <= max_len, f"{key} must be a string of at most {max_len} chars")
-    return v
 
 
-def _float(d: Mapping, key: str) -> float:
-    v = d.get(key)
-    _require(isinstance(v, (int, float)) and not isinstance(v, bool), f"{key} must be a number")
-    v = float(v)
-    _require(v == v and abs(v) != float("inf"), f"{key} must be finite")
-    return v
 
 
 class Role(str, enum.Enum):
@@ -91,7 +63,7 @@ class RoundMeta:
     samples: int  # samples whose gradients the participant accumulated (its claimed blocks' examples)
     blocks: RangeSet  # the blocks it claims, of the cursor's current data epoch
     data_epoch: int
-    grad_norm: float = 0.0  # declared norm of its contribution (checked by reducers once access control lands)
+    grad_norm: float = 0.0  # declared norm of its contribution (admission refuses one far off the recent median)
     certificate: bytes = b""  # reserved: access certificate
     version: int = ROUND_VERSION
 
@@ -112,16 +84,16 @@ class RoundMeta:
 
     @classmethod
     def decode(cls, data: bytes) -> "RoundMeta":
-        d = _message(data, "round_meta", ROUND_VERSION, max_size=MAX_META_BYTES)
+        d = message(data, "round_meta", ROUND_VERSION, max_size=MAX_META_BYTES)
         cert = d.get("certificate", b"")
-        _require(isinstance(cert, bytes), "certificate must be bytes")
+        require(isinstance(cert, bytes), "certificate must be bytes")
         return cls(
-            spec_hash=_str(d, "spec_hash", 128),
-            step=_int(d, "step"),
-            samples=_int(d, "samples", 0, 2**40),
+            spec_hash=str_field(d, "spec_hash", 128),
+            step=int_field(d, "step"),
+            samples=int_field(d, "samples", 0, 2**40),
             blocks=RangeSet.from_list(d.get("blocks")),
-            data_epoch=_int(d, "data_epoch"),
-            grad_norm=_float(d, "grad_norm"),
+            data_epoch=int_field(d, "data_epoch"),
+            grad_norm=float_field(d, "grad_norm"),
             certificate=cert,
         )
 
@@ -232,10 +204,10 @@ class Vote:
 
     @classmethod
     def decode(cls, data: bytes) -> "Vote":
-        d = _message(data, "vote", ROUND_VERSION, max_size=4096)
-        _require(isinstance(d.get("ok"), bool), "ok must be a bool")
-        return cls(step=_int(d, "step"), group_id=_str(d, "group_id", 128), grad_hash=_str(d, "grad_hash", 128),
-                   ok=d["ok"], reason=_str(d, "reason", 200), live=_int(d, "live", 0, 1 << 20) if "live" in d else 0)
+        d = message(data, "vote", ROUND_VERSION, max_size=4096)
+        require(isinstance(d.get("ok"), bool), "ok must be a bool")
+        return cls(step=int_field(d, "step"), group_id=str_field(d, "group_id", 128), grad_hash=str_field(d, "grad_hash", 128),
+                   ok=d["ok"], reason=str_field(d, "reason", 200), live=int_field(d, "live", 0, 1 << 20) if "live" in d else 0)
 
 
 @dataclass(frozen=True)
@@ -325,32 +297,28 @@ class ProgressReport:
 
     @classmethod
     def decode(cls, data: bytes) -> "ProgressReport":
-        d = _message(data, "progress", ROUND_VERSION, max_size=MAX_REPORT_BYTES)
+        d = message(data, "progress", ROUND_VERSION, max_size=MAX_REPORT_BYTES)
         maddrs = d.get("maddrs", [])
-        _require(isinstance(maddrs, list) and all(isinstance(m, str) and len(m) < 512 for m in maddrs), "maddrs")
-        _require(d.get("role") in {r.value for r in Role}, "role")
-        _require(isinstance(d.get("finished", False), bool), "finished")
-        _require(isinstance(d.get("snapshots", False), bool) and isinstance(d.get("left", False), bool), "flags")
-        return cls(step=_int(d, "step"), samples=_int(d, "samples", 0, 2**40), samples_per_second=_float(d, "sps"),
-                   role=Role(d["role"]), state_hash=_str(d, "state_hash", 128), time=_float(d, "time"),
+        require(isinstance(maddrs, list) and all(isinstance(m, str) and len(m) < 512 for m in maddrs), "maddrs")
+        require(isinstance(d.get("role"), str) and d["role"] in {r.value for r in Role}, "role")
+        require(isinstance(d.get("finished", False), bool), "finished")
+        require(isinstance(d.get("snapshots", False), bool) and isinstance(d.get("left", False), bool), "flags")
+        return cls(step=int_field(d, "step"), samples=int_field(d, "samples", 0, 2**40), samples_per_second=float_field(d, "sps"),
+                   role=Role(d["role"]), state_hash=str_field(d, "state_hash", 128), time=float_field(d, "time"),
                    maddrs=tuple(maddrs), finished=d.get("finished", False),
-                   claimed=RangeSet.from_list(d.get("claimed", [])), data_epoch=_int(d, "data_epoch"),
+                   claimed=RangeSet.from_list(d.get("claimed", [])), data_epoch=int_field(d, "data_epoch"),
                    cursor=_summary(d["cursor"]) if "cursor" in d else None,
-                   certificate=_bytes(d, "certificate", 8192) if "certificate" in d else b"",
+                   certificate=bytes_field(d, "certificate", 8192) if "certificate" in d else b"",
                    snapshots=d.get("snapshots", False), left=d.get("left", False))
 
 
-def _bytes(d: Mapping, key: str, max_len: int) -> bytes:
-    v = d.get(key)
-    _require(isinstance(v, bytes) and len(v) <= max_len, f"{key} must be at most {max_len} bytes")
-    return v
 
 
 def _summary(d: object) -> dict[str, int]:
     """A cursor summary received in a progress report: the keys of ``DataCursor.summary()`` (others, from a newer
     peer, are dropped)."""
-    _require(isinstance(d, dict) and SUMMARY_KEYS <= set(d), f"cursor summary must have keys {sorted(SUMMARY_KEYS)}")
-    return {key: _int(d, key) for key in sorted(SUMMARY_KEYS)}
+    require(isinstance(d, dict) and SUMMARY_KEYS <= set(d), f"cursor summary must have keys {sorted(SUMMARY_KEYS)}")
+    return {key: int_field(d, key) for key in sorted(SUMMARY_KEYS)}
 
 
 @dataclass(frozen=True, kw_only=True)

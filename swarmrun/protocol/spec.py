@@ -17,20 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarmrun.protocol.codec import pack, unpack
-from swarmrun.protocol.errors import (
-    IncompatibleState,
-    LocalProtocolError,
-    RemoteProtocolError,
-    UsageError,
-)
+from swarmrun.protocol.errors import IncompatibleState, LocalProtocolError, RemoteProtocolError, UsageError
 
-__all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "Spec", "SignedSpec", "amend"]
+__all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "RUN_ID", "check_run_id", "Spec", "SignedSpec", "amend"]
 
 SPEC_VERSION = 1
 ACCESS_POLICIES = ("open", "invite")
 MAX_SPEC_SIZE = 1 << 20
 
-_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the one run-id pattern (the CLI, the coordinator, specs)
 _REQUIRED_POSITIVE_HPARAMS = ("target_batch_size", "total_steps", "block_size")
 # block_size fixes the unit of data accounting: changing it would orphan the cursor.
 _FIXED_HPARAMS = ("block_size",)
@@ -65,6 +60,17 @@ def _check_scalars(name: str, mapping: Any) -> dict[str, Scalar]:
     return out
 
 
+def check_run_id(run_id: str) -> str:
+    """``run_id`` itself, when it is 1-64 letters, digits, '-' and '_'.
+
+    Raises:
+        UsageError: anything else.
+    """
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+        raise UsageError(f"run id {run_id!r} must be 1-64 characters of letters, digits, '-' and '_'")
+    return run_id
+
+
 @dataclass(frozen=True, kw_only=True)
 class Spec:
     """The immutable description of a run (see the glossary in ``swarmrun.protocol``).
@@ -90,7 +96,7 @@ class Spec:
     version: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
-        if not isinstance(self.run_id, str) or not _RUN_ID.fullmatch(self.run_id):
+        if not isinstance(self.run_id, str) or not RUN_ID.fullmatch(self.run_id):
             raise UsageError(f"run_id {self.run_id!r} must match [A-Za-z0-9_-]{{1,64}}")
         for name in ("task", "task_version"):
             value = getattr(self, name)
@@ -184,7 +190,6 @@ class Spec:
     def spec_hash(self) -> str:
         """Return the sha256 hex digest of ``unsigned_bytes()``."""
         return hashlib.sha256(self.unsigned_bytes()).hexdigest()
-
 
 
 @dataclass(frozen=True, kw_only=True)

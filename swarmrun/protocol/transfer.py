@@ -20,10 +20,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .codec import pack, unpack
-from .errors import RemoteProtocolError
-from .manifest import MAX_CHUNK_SIZE, MAX_MANIFEST_SIZE
-from .round import _float, _int, _require  # one set of field validators for every message
+from swarmrun.protocol.codec import float_field, int_field, pack, require, unpack  # one set of field validators
+from swarmrun.protocol.errors import RemoteProtocolError
+from swarmrun.protocol.manifest import MAX_CHUNK_SIZE, MAX_MANIFEST_SIZE
 
 TRANSFER_VERSION = 2  # 2: manifests of version 2 (BLAKE3 digests) behind the same messages
 MAX_HEADER_BYTES = 4096
@@ -44,7 +43,7 @@ def protocol_name(run_id: str) -> str:
 
 def _digest(d: Mapping, key: str) -> str:
     v = d.get(key)
-    _require(isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v),
+    require(isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v),
              f"{key} must be 64 lowercase hex digits")
     return v
 
@@ -75,18 +74,18 @@ class ProviderRecord:
     def decode(cls, data: bytes) -> ProviderRecord:
         """Raises: RemoteProtocolError on any fault."""
         d = unpack(data, max_size=MAX_RECORD_BYTES)
-        _require(isinstance(d, dict) and d.get("type") == "provider" and d.get("version") == TRANSFER_VERSION,
+        require(isinstance(d, dict) and d.get("type") == "provider" and d.get("version") == TRANSFER_VERSION,
                  "not a provider record")
         log = d.get("log")
-        _require(isinstance(log, list) and len(log) <= MAX_LOG_ANNOUNCED, "log must be a short list")
+        require(isinstance(log, list) and len(log) <= MAX_LOG_ANNOUNCED, "log must be a short list")
         entries = {}
         for item in log:
-            _require(isinstance(item, list) and len(item) == 2, "log entries are [step, manifest_hash]")
-            entries[_int({"s": item[0]}, "s")] = _digest({"h": item[1]}, "h")
-        _require(isinstance(d.get("keeper"), bool), "keeper must be a bool")
-        return cls(step=_int(d, "step"), manifest_hash=_digest(d, "manifest_hash"), state_hash=_digest(d, "state_hash"),
-                   total_bytes=_int(d, "total_bytes"), time=_float(d, "time"), keeper=d["keeper"],
-                   serving=_int(d, "serving", 0, 1 << 16), log=entries)
+            require(isinstance(item, list) and len(item) == 2, "log entries are [step, manifest_hash]")
+            entries[int_field({"s": item[0]}, "s")] = _digest({"h": item[1]}, "h")
+        require(isinstance(d.get("keeper"), bool), "keeper must be a bool")
+        return cls(step=int_field(d, "step"), manifest_hash=_digest(d, "manifest_hash"), state_hash=_digest(d, "state_hash"),
+                   total_bytes=int_field(d, "total_bytes"), time=float_field(d, "time"), keeper=d["keeper"],
+                   serving=int_field(d, "serving", 0, 1 << 16), log=entries)
 
 
 @dataclass(frozen=True)
@@ -200,21 +199,21 @@ def decode_message(data: bytes) -> Open | Get | Opened | Chunk | Refused:
         RemoteProtocolError: malformed, oversized, of an unknown type or version.
     """
     d = unpack(data, max_size=MAX_HEADER_BYTES)
-    _require(isinstance(d, dict), "a frame header is a map")
+    require(isinstance(d, dict), "a frame header is a map")
     kind = d.get("type")
     if kind == "open":
-        _require(d.get("version") == TRANSFER_VERSION, f"unsupported transfer version {d.get('version')!r}")
+        require(d.get("version") == TRANSFER_VERSION, f"unsupported transfer version {d.get('version')!r}")
         return Open(spec_hash=_digest(d, "spec_hash"), manifest_hash=_digest(d, "manifest_hash"),
                     credentials=d.get("credentials"))
     if kind == "get":
-        return Get(index=_int(d, "index", 0, 2**40))
+        return Get(index=int_field(d, "index", 0, 2**40))
     if kind == "opened":
-        return Opened(size=_int(d, "size", 1, MAX_MANIFEST_SIZE))
+        return Opened(size=int_field(d, "size", 1, MAX_MANIFEST_SIZE))
     if kind == "chunk":
-        return Chunk(index=_int(d, "index", 0, 2**40), size=_int(d, "size", 0, MAX_CHUNK_SIZE))
+        return Chunk(index=int_field(d, "index", 0, 2**40), size=int_field(d, "size", 0, MAX_CHUNK_SIZE))
     if kind == "refused":
         reason = d.get("reason")
-        _require(isinstance(reason, str) and isinstance(d.get("busy"), bool), "refused needs a reason and busy")
+        require(isinstance(reason, str) and isinstance(d.get("busy"), bool), "refused needs a reason and busy")
         return Refused(reason=reason[:500], busy=d["busy"])
     raise RemoteProtocolError(f"unknown frame type {kind!r}")
 
@@ -227,7 +226,7 @@ def frame(header: bytes) -> bytes:
 def header_length(prefix: bytes) -> int:
     """Raises: RemoteProtocolError when the announced header is oversized or empty."""
     n = int.from_bytes(prefix, "big")
-    _require(0 < n <= MAX_HEADER_BYTES, f"frame header of {n} bytes is out of bounds")
+    require(0 < n <= MAX_HEADER_BYTES, f"frame header of {n} bytes is out of bounds")
     return n
 
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from swarmrun.node.join import initial_state, make_spec
-from swarmrun.node.snapshot import SnapshotStore
-from swarmrun.node.swarm import ensure_identity, public_key_bytes
+from swarmrun.node.peer.build import initial_state, make_spec
+from swarmrun.node.state.store import SnapshotStore
+from swarmrun.node.net.swarm import ensure_identity, public_key_bytes
 from swarmrun.node.tasks.synthetic import SyntheticTask
 from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.spec import SignedSpec

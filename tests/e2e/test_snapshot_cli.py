@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from swarmrun.node.join import initial_state, make_spec
-from swarmrun.node.snapshot import SnapshotStore
-from swarmrun.node.snapshot_cli import run_command
-from swarmrun.node.snapshot_peer import apply_resume, plan_resume
-from swarmrun.node.swarm import ensure_identity, public_key_bytes
+from swarmrun.node.peer.build import initial_state, make_spec
+from swarmrun.node.state.store import SnapshotStore
+from swarmrun.node.cli.snapshot import run_command
+from swarmrun.node.peer.snapshots import apply_resume, plan_resume
+from swarmrun.node.net.swarm import ensure_identity, public_key_bytes
 from swarmrun.node.tasks.synthetic import SyntheticTask
 from swarmrun.protocol.errors import AccessRefused, IncompatibleState, UsageError
 from swarmrun.protocol.snapshot import Amendment

@@ -10,10 +10,11 @@ import torch
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarmrun.node.averaging import RoundAverager
-from swarmrun.node.swarm import ensure_identity, record_validator, signed_subkey
-from swarmrun.node.trainer import read_view
-from swarmrun.node.transfer import Fetcher, FetchFailed
+from swarmrun.node.peer.access import certificate_text
+from swarmrun.node.peer.averaging import RoundAverager
+from swarmrun.node.net.swarm import ensure_identity, record_validator, signed_subkey
+from swarmrun.node.net.records import read_view
+from swarmrun.node.net.fetch import Fetcher, FetchFailed
 from swarmrun.protocol.access import Certificate
 from swarmrun.protocol.cursor import DataCursor, RangeSet
 from swarmrun.protocol.round import ProgressReport, Role, RoundMeta, progress_key
@@ -41,7 +42,7 @@ async def _hostile_client(maddr: str, state_dir, spec_hash: str) -> dict:
     out = {"peer_id": me}
     try:
         p2p = await dht.replicate_p2p()
-        from swarmrun.node.trainer import read_providers
+        from swarmrun.node.net.records import read_providers
 
         records = await read_providers(dht, RUN)
         choice = choose_state(records)
@@ -96,10 +97,11 @@ def test_invite_only_run_refuses_strangers_and_a_hostile_client(tmp_path):
         assert stranger.returncode == 4, stranger.stdout[-2000:]
         assert "invite-only" in _last(stranger)["message"] and "node invite" in _last(stranger)["message"]
         # an expired certificate
-        late_id = _peer_id(tmp_path / "late")
-        assert run_cli("invite", RUN, "--peer", late_id, "--ttl", "1s", "--state-dir", str(tmp_path / "p0"),
-                       "--out", str(tmp_path / "late.invite")).returncode == 0
-        time.sleep(1.5)
+        # (issued by the owner's key an hour ago, for one second: the clock is the certificate's, not the test's)
+        owner_key = ensure_identity(tmp_path / "p0")[1]
+        expired = Certificate.issue(run_id=RUN, peer_id=_peer_id(tmp_path / "late"), now=time.time() - 3600, ttl=1,
+                                    signer=owner_key.sign)
+        (tmp_path / "late.invite").write_text(certificate_text(expired) + "\n")
         late = run_cli("join", RUN, "--peers", swarm.maddr, "--state-dir", str(tmp_path / "late"),
                        "--invite", str(tmp_path / "late.invite"), "--json")
         assert late.returncode == 4 and "expired" in _last(late)["message"]

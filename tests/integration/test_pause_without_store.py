@@ -10,8 +10,8 @@ import signal
 import pytest
 from hivemind.p2p import PeerID
 
-from swarmrun.node.snapshot import SnapshotStore
-from swarmrun.node.swarm import IDENTITY_FILE, ensure_identity
+from swarmrun.node.state.store import SnapshotStore
+from swarmrun.node.net.swarm import IDENTITY_FILE, ensure_identity
 from tests.swarm_helpers import Swarm, run_cli
 
 pytestmark = pytest.mark.integration

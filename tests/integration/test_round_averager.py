@@ -6,7 +6,7 @@ import pytest
 import torch
 from hivemind import DHT
 
-from swarmrun.node.averaging import RoundAverager
+from swarmrun.node.peer.averaging import RoundAverager
 from swarmrun.protocol.cursor import DataCursor, RangeSet
 from swarmrun.protocol.round import RoundMeta, claim_samples
 

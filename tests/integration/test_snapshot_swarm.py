@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from swarmrun.node.snapshot import SnapshotStore
+from swarmrun.node.state.store import SnapshotStore
 from tests.swarm_helpers import Swarm, run_cli
 
 pytestmark = pytest.mark.integration

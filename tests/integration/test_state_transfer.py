@@ -9,8 +9,9 @@ import pytest
 import torch
 from hivemind import DHT
 
-from swarmrun.node.state import FrozenState
-from swarmrun.node.transfer import Fetcher, FetchFailed, StateServer, admit_open
+from swarmrun.node.state.run import FrozenState
+from swarmrun.node.net.fetch import Fetcher, FetchFailed
+from swarmrun.node.net.serve import StateServer, admit_open
 from swarmrun.protocol.manifest import build_manifest
 
 SPEC = "a" * 64

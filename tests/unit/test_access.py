@@ -2,7 +2,7 @@
 
 import pytest
 
-from swarmrun.node.swarm import ensure_identity, public_key_bytes, verify_signature
+from swarmrun.node.net.swarm import ensure_identity, public_key_bytes, verify_signature
 from swarmrun.protocol.access import Certificate, Revocations, admit, parse_ttl, revoke
 from swarmrun.protocol.codec import pack, unpack
 from swarmrun.protocol.errors import RemoteProtocolError

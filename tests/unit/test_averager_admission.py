@@ -2,7 +2,7 @@
 
 import collections
 
-from swarmrun.node.averaging import NORM_HISTORY, RoundAverager
+from swarmrun.node.peer.averaging import NORM_HISTORY, RoundAverager
 from swarmrun.protocol.cursor import RangeSet
 from swarmrun.protocol.round import RoundMeta
 

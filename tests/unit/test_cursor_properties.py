@@ -27,8 +27,18 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from swarmrun.protocol.cursor import DataCursor, RangeSet
 from swarmrun.protocol.round import (
-    Abandon, Commit, ProgressReport, Role, RoundMeta, SwarmView, Vote, claim_samples, decide_claims,
-    decide_commit, pick_blocks, step_target,
+    Abandon,
+    Commit,
+    ProgressReport,
+    Role,
+    RoundMeta,
+    SwarmView,
+    Vote,
+    claim_samples,
+    decide_claims,
+    decide_commit,
+    pick_blocks,
+    step_target,
 )
 
 SPEC_HASH = "ab" * 32

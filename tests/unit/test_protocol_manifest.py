@@ -11,8 +11,16 @@ from hypothesis import strategies as st
 from swarmrun.protocol.codec import pack, unpack
 from swarmrun.protocol.cursor import DataCursor, RangeSet
 from swarmrun.protocol.errors import LocalProtocolError, RemoteProtocolError
-from swarmrun.protocol.manifest import (DEFAULT_CHUNK_SIZE, MANIFEST_VERSION, Manifest, TensorCheck, TensorEntry,
-                                        build_manifest, digest, manifest_digest)
+from swarmrun.protocol.manifest import (
+    DEFAULT_CHUNK_SIZE,
+    MANIFEST_VERSION,
+    Manifest,
+    TensorCheck,
+    TensorEntry,
+    build_manifest,
+    digest,
+    manifest_digest,
+)
 
 FAST = settings(max_examples=200, deadline=None)
 SPEC_HASH = hashlib.sha256(b"spec").hexdigest()

@@ -2,7 +2,7 @@
 
 from hivemind.p2p import PeerID
 
-from swarmrun.node.swarm import ensure_identity, peer_id_of, record_validator, signed_subkey, subkey_owner
+from swarmrun.node.net.swarm import ensure_identity, peer_id_of, record_validator, signed_subkey, subkey_owner
 
 
 def test_signed_subkey_names_its_owner_and_no_one_else(tmp_path):

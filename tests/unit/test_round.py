@@ -5,8 +5,17 @@ import pytest
 from swarmrun.protocol.cursor import DataCursor, RangeSet
 from swarmrun.protocol.errors import RemoteProtocolError
 from swarmrun.protocol.round import (
-    Abandon, Commit, ProgressReport, Role, RoundMeta, SwarmView, Vote, claim_samples, decide_claims,
-    decide_commit, should_start_round,
+    Abandon,
+    Commit,
+    ProgressReport,
+    Role,
+    RoundMeta,
+    SwarmView,
+    Vote,
+    claim_samples,
+    decide_claims,
+    decide_commit,
+    should_start_round,
 )
 
 CURSOR = DataCursor.new(seed=1, num_examples=100, block_size=8)  # 13 blocks, the last one holds 4

@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from swarmrun.node.snapshot import SnapshotStore, Storage, open_ref
-from swarmrun.node.state import FrozenState
+from swarmrun.node.state.store import SnapshotStore, Storage, open_ref
+from swarmrun.node.state.run import FrozenState
 from swarmrun.protocol.errors import IncompatibleState, RunNotFound, SwarmrunError, UsageError
 from swarmrun.protocol.manifest import build_manifest
 from swarmrun.protocol.snapshot import CHUNKS_DIR, parse_store_ref, record_path
@@ -179,7 +179,7 @@ def test_fsspec_memory_store_roundtrip():
 _KILLED_WRITER = """
 import sys, time
 sys.path.insert(0, {root!r})
-from swarmrun.node.snapshot import SnapshotStore, Storage
+from swarmrun.node.state.store import SnapshotStore, Storage
 from tests.unit.test_snapshot_store import frozen_state
 
 class Slow(Storage):

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from swarmrun.node.join import initial_state, make_spec
-from swarmrun.node.snapshot_peer import SnapshotOptions, SnapshotWriter
+from swarmrun.node.peer.build import initial_state, make_spec
+from swarmrun.node.peer.snapshots import SnapshotOptions, SnapshotWriter
 from swarmrun.node.tasks.synthetic import SyntheticTask
 from swarmrun.protocol.spec import SignedSpec
 
@@ -80,8 +80,8 @@ def test_pause_record_is_honoured_only_from_the_owner_and_when_current(tmp_path)
 
     from hivemind.utils.timed_storage import get_dht_time
 
-    from swarmrun.node.snapshot_peer import SnapshotSide
-    from swarmrun.node.swarm import ensure_identity, public_key_bytes
+    from swarmrun.node.peer.snapshots import SnapshotSide
+    from swarmrun.node.net.swarm import ensure_identity, public_key_bytes
     from swarmrun.protocol.snapshot import PauseRecord
 
     owner, intruder = ensure_identity(tmp_path / "owner")[1], ensure_identity(tmp_path / "intruder")[1]
@@ -109,13 +109,14 @@ def test_pause_record_is_honoured_only_from_the_owner_and_when_current(tmp_path)
 @pytest.mark.parametrize("other_has_store, writes", [(False, True), (True, False)])
 async def test_the_last_peer_with_a_store_writes_as_it_leaves(tmp_path, other_has_store, writes):
     """A (store) leaves while B trains on: A writes its state unless B can snapshot the run itself."""
-    from swarmrun.node.snapshot_peer import SnapshotSide
+    from swarmrun.node.peer.snapshots import SnapshotSide
 
     trainer, signed = fake_trainer(peer_id="QmA", others=("QmB",), stores=other_has_store)
     trainer.state.step = 7
     trainer.frozen = trainer.state.freeze(chunk_size=4096)
     trainer.view.trainers["QmB"].left = False
-    trainer.spec, trainer.gate = signed.spec, None  # dht=None: the fresh read fails, the last view stands
+    trainer.spec, trainer.gate = signed.spec, None
+    trainer.dht = SimpleNamespace(is_alive=lambda: False)  # no DHT to read: the last view stands
     events = Recorder()
     writer = SnapshotWriter(trainer, options=SnapshotOptions(store=str(tmp_path / "s"), every="1000"), signed=signed,
                             history=(b"h",), events=events)

@@ -4,7 +4,7 @@ import argparse
 import io
 import json
 
-from swarmrun.node import status as status_mod
+from swarmrun.node.cli import status as status_mod
 from swarmrun.node.output import Events
 
 

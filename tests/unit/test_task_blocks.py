@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmrun.node.task import ShardedTask, ShardMap, TaskError
+from swarmrun.node.tasks.base import ShardedTask, ShardMap
+from swarmrun.protocol.errors import TaskError
 from swarmrun.node.tasks.synthetic import SyntheticTask
 from swarmrun.protocol.cursor import DataCursor, RangeSet
 from swarmrun.protocol.round import pick_blocks

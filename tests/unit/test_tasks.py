@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from swarmrun.node.task import Task, TaskError, batch_len, load_task_class
+from swarmrun.node.tasks.base import Task, batch_len, load_task_class
+from swarmrun.protocol.errors import TaskError
 from swarmrun.node.tasks.char_lm import CharLMTask
 from swarmrun.node.tasks.synthetic import SyntheticTask
 

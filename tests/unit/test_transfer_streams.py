@@ -18,8 +18,9 @@ from blake3 import blake3
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
-from swarmrun.node.state import FrozenState, RunState
-from swarmrun.node.transfer import KEEP_PARTIALS, Fetcher, FetchFailed, StateServer, admit_open
+from swarmrun.node.state.run import FrozenState, RunState
+from swarmrun.node.net.fetch import KEEP_PARTIALS, Fetcher, FetchFailed
+from swarmrun.node.net.serve import StateServer, admit_open
 from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.manifest import build_manifest
 from swarmrun.protocol.transfer import Chunk
@@ -137,14 +138,14 @@ def test_corrupt_provider_is_banned_and_its_chunks_come_from_another(loop):
 def test_a_provider_answering_out_of_turn_or_with_a_wrong_size_is_banned():
     class OutOfTurn(StateServer):
         async def _handle(self, info, reader, writer):  # answers every get with chunk 0 (or a wrong size)
-            from swarmrun.node.transfer import _read_header, _write
+            from swarmrun.node.net.streams import read_header, write_message
             from swarmrun.protocol.transfer import Opened
-            await _read_header(reader)
-            await _write(writer, Opened(size=len(self.current.encoded)).encode(), self.current.encoded)
+            await read_header(reader)
+            await write_message(writer, Opened(size=len(self.current.encoded)).encode(), self.current.encoded)
             while True:
-                get = await _read_header(reader)
+                get = await read_header(reader)
                 size = 5 if self.wrong_size else self.current.frozen.chunk(0).nbytes
-                await _write(writer, Chunk(index=0 if not self.wrong_size else get.index, size=size).encode(),
+                await write_message(writer, Chunk(index=0 if not self.wrong_size else get.index, size=size).encode(),
                              bytes(self.current.frozen.chunk(0)[:size]))
 
     async def main():
@@ -267,9 +268,9 @@ class _HeldVerifier:
 
 
 def test_download_keeps_a_verified_second_copy_until_the_first_lets_go():
-    from swarmrun.node.receive import Download
-    from swarmrun.node.state import alloc_buffer
-    from swarmrun.node.transfer import Partial
+    from swarmrun.node.net.receive import Download
+    from swarmrun.node.state.run import alloc_buffer
+    from swarmrun.node.net.fetch import Partial
     from swarmrun.protocol.transfer import TransferPlan
 
     async def main():
@@ -394,7 +395,7 @@ def test_a_fetched_state_is_adopted_without_copies_and_trains_on():
 
 
 def test_release_pages_hands_back_whole_pages_outside_what_is_kept():
-    from swarmrun.node.state import alloc_buffer, release_pages
+    from swarmrun.node.state.run import alloc_buffer, release_pages
 
     buf = alloc_buffer(10 * 4096)
     buf[:] = b"\x07" * len(buf)

@@ -7,5 +7,5 @@
   ``--set corpus=DIR``); trains visibly in minutes on a few CPU cores.
 
 Both build their initial model and any generated data from dedicated ``torch.Generator`` streams,
-never from torch's global RNG (see :mod:`swarmrun.node.tasks._seeded`).
+never from torch's global RNG (see :mod:`swarmrun.node.tasks.seeded`).
 """

@@ -32,8 +32,9 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from swarmrun.node.task import Task, TaskError
-from swarmrun.node.tasks import _seeded
+from swarmrun.node.tasks.base import Task
+from swarmrun.protocol.errors import TaskError
+from swarmrun.node.tasks import seeded
 
 VOCAB_SIZE = 256
 #: directory names left out of the default (stdlib) corpus, at any depth
@@ -161,9 +162,9 @@ class CharGPT(torch.nn.Module):
             elif name.endswith(".bias"):
                 p.zero_()
             elif name.endswith("proj.weight"):
-                p.copy_(_seeded.randn(p.shape, g, resid_std))
+                p.copy_(seeded.randn(p.shape, g, resid_std))
             elif name.endswith("weight") or name == "pos_emb":
-                p.copy_(_seeded.randn(p.shape, g, 0.02))
+                p.copy_(seeded.randn(p.shape, g, 0.02))
             else:  # a parameter added without an init rule would stay uninitialized memory
                 raise AssertionError(f"no init rule for parameter {name!r}")
         assert not list(self.buffers()), "buffers would stay uninitialized after to_empty()"
@@ -237,7 +238,7 @@ class CharLMTask(Task):
 
     def get_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)``: int64 tensors of shape ``(len(indices), seq_len)``."""
-        w = self._windows[_seeded.check_indices(indices, self.num_examples())].long()
+        w = self._windows[seeded.check_indices(indices, self.num_examples())].long()
         return w[:, :-1], w[:, 1:]
 
     def eval_indices(self) -> Sequence[int]:
@@ -258,7 +259,7 @@ class CharLMTask(Task):
                 dropout=a["dropout"],
             )
         model.to_empty(device="cpu")
-        model.init_from(_seeded.generator(self.seed, self.name, "model"))
+        model.init_from(seeded.generator(self.seed, self.name, "model"))
         return model
 
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:

@@ -18,8 +18,9 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from swarmrun.node.task import Task, TaskError
-from swarmrun.node.tasks import _seeded
+from swarmrun.node.tasks.base import Task
+from swarmrun.protocol.errors import TaskError
+from swarmrun.node.tasks import seeded
 
 
 class SyntheticMLP(torch.nn.Module):
@@ -66,15 +67,15 @@ class SyntheticTask(Task):
                 raise TaskError(f"task {self.name!r} argument {key!r} must be >= 1, got {a[key]}")
         if a["noise"] < 0:
             raise TaskError(f"task {self.name!r} argument 'noise' must be >= 0, got {a['noise']}")
-        g = _seeded.generator(self.seed, self.name, "data")
+        g = seeded.generator(self.seed, self.name, "data")
         n, dim = a["num_examples"], a["dim"]
-        # drawn and combined in float64, rounded once (see _seeded): the same bits on every machine
+        # drawn and combined in float64, rounded once (see seeded): the same bits on every machine
         w = torch.randn((dim, 1), generator=g, dtype=torch.float64) / math.sqrt(dim)
         x = torch.randn((n, dim), generator=g, dtype=torch.float64)
         noise = torch.randn((n, 1), generator=g, dtype=torch.float64)
         self._x = x.to(torch.float32).contiguous()
         self._y = (x @ w + a["noise"] * noise).to(torch.float32).contiguous()
-        g_eval = _seeded.generator(self.seed, self.name, "eval")  # its own stream: the training data does not depend on it
+        g_eval = seeded.generator(self.seed, self.name, "eval")  # its own stream: the training data does not depend on it
         x = torch.randn((a["eval_examples"], dim), generator=g_eval, dtype=torch.float64)
         noise = torch.randn((a["eval_examples"], 1), generator=g_eval, dtype=torch.float64)
         self._eval = (x.to(torch.float32).contiguous(), (x @ w + a["noise"] * noise).to(torch.float32).contiguous())
@@ -98,7 +99,7 @@ class SyntheticTask(Task):
 
     def get_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, y)``: float32 tensors of shape ``(len(indices), dim)`` and ``(len(indices), 1)``."""
-        idx = _seeded.check_indices(indices, self.num_examples())
+        idx = seeded.check_indices(indices, self.num_examples())
         return self._x[idx], self._y[idx]
 
     def eval_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,12 +111,12 @@ class SyntheticTask(Task):
         with torch.device("meta"):  # no global RNG is consumed and no memory is written twice
             model = SyntheticMLP(self.args["dim"], self.args["hidden"])
         model.to_empty(device="cpu")
-        g = _seeded.generator(self.seed, self.name, "model")
+        g = seeded.generator(self.seed, self.name, "model")
         with torch.no_grad():
             for layer in (model.fc1, model.fc2):
                 bound = 1.0 / math.sqrt(layer.in_features)
-                layer.weight.copy_(_seeded.uniform(layer.weight.shape, g, bound))
-                layer.bias.copy_(_seeded.uniform(layer.bias.shape, g, bound))
+                layer.weight.copy_(seeded.uniform(layer.weight.shape, g, bound))
+                layer.bias.copy_(seeded.uniform(layer.bias.shape, g, bound))
         return model
 
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..protocol.errors import SwarmrunError, UsageError
+from swarmrun.protocol.errors import SwarmrunError, UsageError
+from swarmrun.node.cli.common import EXIT_CODES
+import argparse
 
 
 @dataclass
@@ -194,3 +196,14 @@ def _reporter(peers, done) -> str:
         if p.name not in done and p.alive:
             return p.name
     return peers[0].name
+
+
+def add_parser(sub) -> None:
+    d = sub.add_parser("demo", help="a local swarm on loopback: trains, kills a peer, a fresh one joins",
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d.add_argument("--peers", type=int, default=3, help="number of peers (default 3)")
+    d.add_argument("--steps", type=int, default=60, help="total steps of the run (default 60)")
+    d.add_argument("--task", default="char-lm", help="task of the run (default char-lm)")
+    d.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    d.add_argument("--workdir", default=None, help="where peers keep state dirs and logs (default: a temp dir)")
+    d.add_argument("--json", action="store_true", help="JSON lines; the last one is the summary")

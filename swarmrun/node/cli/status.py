@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
-from hivemind import DHT
-from hivemind.utils.timed_storage import get_dht_time
-
-from ..protocol.errors import RunNotFound, UsageError
-from ..protocol.round import SUMMARY_KEYS, run_accounting
-from .join import check_run_id, fetch_spec
-from .swarm import record_validator
-from .trainer import read_providers, read_view
+from swarmrun.node.cli.common import EXIT_CODES, swarm_args
+from swarmrun.protocol.errors import RunNotFound
+from swarmrun.protocol.round import SUMMARY_KEYS, run_accounting
+from swarmrun.protocol.spec import check_run_id
 
 
 async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> dict:
@@ -20,6 +17,12 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
     Raises:
         RunNotFound: no peer reachable, or the run is unknown to them.
     """
+    from hivemind import DHT  # only here: the command's usage errors come before hivemind's import
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from swarmrun.node.net.records import fetch_spec, read_providers, read_view
+    from swarmrun.node.net.swarm import record_validator
+
     try:
         dht = await asyncio.to_thread(DHT, initial_peers=list(initial_peers), start=True, client_mode=True,
                                       record_validators=[record_validator()],
@@ -30,7 +33,7 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
         signed = await fetch_spec(dht, run_id, timeout=timeout)
         if signed is None:
             raise RunNotFound(f"run {run_id!r} was not found at the given peers")
-        from .access import AccessGate
+        from swarmrun.node.peer.access import AccessGate
 
         gate = AccessGate(signed.spec)  # in an invite-only run, reports without a valid certificate are not its peers'
         await gate.refresh(dht)
@@ -57,13 +60,13 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
 
 
 def run_status(args, events) -> int:
-    from .cli import _run_async, swarm_config
+    from swarmrun.node.cli.common import require_peers, swarm_config
+    from swarmrun.node.runtime import run_async
 
     check_run_id(args.run_id)
+    require_peers(args)
     config = swarm_config(args)
-    if not config.initial_peers:
-        raise UsageError("give --peers MADDR (or SWARMRUN_PEERS) of a peer of the run")
-    status = _run_async(gather_status(args.run_id, config.initial_peers))
+    status = run_async(gather_status(args.run_id, config.initial_peers))
     if events.json_mode:
         events.emit("status", **status)
         return 0
@@ -94,3 +97,11 @@ def run_status(args, events) -> int:
                              f"{status['blocks_pending']} pending in this epoch, {status['blocks_skipped']} skipped, "
                              f"{status['blocks_duplicated']} duplicated")
     return 0
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("status", help="the swarm of a run as it stands: peers, steps, samples/s, roles",
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("run_id", metavar="RUN_ID")
+    swarm_args(s, listen=False)
+    s.add_argument("--json", action="store_true")

@@ -10,12 +10,10 @@ import glob
 import hashlib
 import os
 import socket
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-import psutil
 import base58
 import multihash
 from cryptography.hazmat.primitives import serialization
@@ -26,8 +24,10 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.multiaddr import Multiaddr
 
-from ..protocol.errors import AccessRefused, RunNotFound, SwarmrunError, UsageError
+from swarmrun.node.output import quiet_hivemind
+from swarmrun.protocol.errors import RunNotFound, SwarmrunError, UsageError
 
+quiet_hivemind()  # hivemind is imported now: its logs follow ours (quiet unless -v)
 IDENTITY_FILE = "identity.key"
 
 
@@ -126,37 +126,6 @@ def subkey_owner(subkey) -> Optional[str]:
         return None
 
 
-@asynccontextmanager
-async def owner_session(run_id: str, initial_peers: Sequence[str], key: RSAPrivateKey, *, action: str,
-                        listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)):
-    """A short-lived DHT node for one of the run owner's commands (revoke, pause); yields ``(dht, signed_spec)``.
-
-    A full node, not a client: what it stores must outlive it, and the peers that read it may leave right after.
-
-    Raises:
-        RunNotFound: no peer reachable, or no such run there. AccessRefused: ``key`` is not the run's owner.
-    """
-    import asyncio
-
-    from .join import fetch_spec
-
-    try:
-        dht = await asyncio.to_thread(DHT, initial_peers=list(initial_peers), start=True, client_mode=False,
-                                      host_maddrs=list(listen), startup_timeout=15.0,
-                                      record_validators=[record_validator(key)])
-    except Exception as e:
-        raise RunNotFound(f"could not reach any of the peers {', '.join(initial_peers)}: {e}") from None
-    try:
-        signed = await fetch_spec(dht, run_id, timeout=8.0)
-        if signed is None:
-            raise RunNotFound(f"run {run_id!r} was not found at the given peers")
-        if signed.spec.owner_key != public_key_bytes(key):
-            raise AccessRefused(f"only the owner of run {run_id!r} may {action}; the key in this --state-dir is not it")
-        yield dht, signed
-    finally:
-        await asyncio.to_thread(dht.shutdown)
-
-
 def sweep_stale_sockets(tmp: str = "/tmp") -> int:
     """Remove ``hivemind-*.sock`` files whose daemon is dead (nobody accepts on them). Returns the count."""
     removed = 0
@@ -215,23 +184,3 @@ def _classify_start_error(e: Exception, config: SwarmConfig) -> SwarmrunError:
     if config.initial_peers and ("failed to connect" in low or "bootstrap" in low or "timeout" in low or "no peers" in low):
         return RunNotFound(f"could not reach any of the peers {', '.join(config.initial_peers)}: {text.splitlines()[0] if text else type(e).__name__}")
     return SwarmrunError(f"could not start the swarm: {type(e).__name__}: {text.splitlines()[0] if text else ''}")
-
-
-def kill_descendants(timeout: float = 3.0, pid: Optional[int] = None) -> None:
-    """End every process below ``pid`` (default: this one): hivemind's DHT and averager processes and their
-    ``p2pd``, which outlive their parent otherwise. SIGTERM, then SIGKILL after ``timeout``."""
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return
-    for child in children:
-        try:
-            child.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(children, timeout=timeout)
-    for child in alive:
-        try:
-            child.kill()
-        except psutil.Error:
-            pass

@@ -17,10 +17,18 @@ import threading
 from collections import deque
 from typing import Any, Callable, Optional
 
-from ..protocol.errors import RemoteProtocolError
-from ..protocol.manifest import Manifest, TensorCheck
-from ..protocol.transfer import (HEADER_PREFIX, MAX_HEADER_BYTES, Chunk, Opened, Refused, TransferPlan, decode_message,
-                                 header_length)
+from swarmrun.protocol.errors import RemoteProtocolError
+from swarmrun.protocol.manifest import Manifest, TensorCheck
+from swarmrun.protocol.transfer import (
+    HEADER_PREFIX,
+    MAX_HEADER_BYTES,
+    Chunk,
+    Opened,
+    Refused,
+    TransferPlan,
+    decode_message,
+    header_length,
+)
 
 logger = logging.getLogger("swarmrun.transfer")
 

@@ -15,16 +15,16 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from ..protocol.cursor import DataCursor
-from ..protocol.errors import IncompatibleState
-from ..protocol.manifest import DEFAULT_CHUNK_SIZE, DTYPE_ITEMSIZE, Manifest, build_manifest
+from swarmrun.protocol.cursor import DataCursor
+from swarmrun.protocol.errors import IncompatibleState
+from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE, DTYPE_ITEMSIZE, Manifest, build_manifest
 
-_DTYPES = {
+DTYPES = {
     torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64",
     torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
     torch.bool: "bool",
 }
-_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -94,9 +94,9 @@ def release_pages(buffer: Any, keep: Sequence[tuple[int, int]]) -> int:
 
 
 def tensor_from_bytes(data: bytes | memoryview, dtype: str, shape: Sequence[int]) -> torch.Tensor:
-    if dtype not in _TORCH_DTYPES:
+    if dtype not in TORCH_DTYPES:
         raise IncompatibleState(f"unsupported dtype {dtype!r} in state")
-    torch_dtype = _TORCH_DTYPES[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     raw_dtype = torch.int16 if torch_dtype == torch.bfloat16 else torch_dtype
     t = torch.frombuffer(bytearray(data), dtype=raw_dtype) if len(data) else torch.empty(0, dtype=raw_dtype)
     if torch_dtype == torch.bfloat16:
@@ -166,7 +166,7 @@ class RunState:
         for name, t in tensors:
             raw = tensor_bytes(t.cpu())
             buf[offset:offset + raw.nbytes] = raw
-            described.append((name, _DTYPES[t.dtype], tuple(t.shape), buf[offset:offset + raw.nbytes]))
+            described.append((name, DTYPES[t.dtype], tuple(t.shape), buf[offset:offset + raw.nbytes]))
             offset += raw.nbytes
         manifest = build_manifest(spec_hash=self.spec_hash, step=self.step, tensors=described, content=content,
                                   info=dict(self.info if info is None else info), chunk_size=chunk_size)
@@ -195,7 +195,7 @@ class RunState:
         return build_manifest(
             spec_hash=self.spec_hash,
             step=self.step,
-            tensors=[(name, _DTYPES[t.dtype], tuple(t.shape), tensor_bytes(t.cpu())) for name, t in tensors],
+            tensors=[(name, DTYPES[t.dtype], tuple(t.shape), tensor_bytes(t.cpu())) for name, t in tensors],
             content=content,
             info=self.info,
             chunk_size=chunk_size,
@@ -287,9 +287,9 @@ class FrozenState:
             if base is None or e.offset % DTYPE_ITEMSIZE[e.dtype]:
                 out[e.name] = tensor_from_bytes(self.data[e.offset:e.offset + e.nbytes], e.dtype, e.shape)
                 continue
-            if e.dtype not in _TORCH_DTYPES:
+            if e.dtype not in TORCH_DTYPES:
                 raise IncompatibleState(f"unsupported dtype {e.dtype!r} in state")
-            t = base[e.offset:e.offset + e.nbytes].view(_TORCH_DTYPES[e.dtype]).reshape(e.shape)
+            t = base[e.offset:e.offset + e.nbytes].view(TORCH_DTYPES[e.dtype]).reshape(e.shape)
             out[e.name] = t.clone() if copy else t
         return out
 

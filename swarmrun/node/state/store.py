@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
-from ..protocol.errors import IncompatibleState, ProtocolError, RunNotFound, SwarmrunError, UsageError
-from ..protocol.snapshot import (
+from swarmrun.protocol.errors import IncompatibleState, ProtocolError, RunNotFound, SwarmrunError, UsageError
+from swarmrun.protocol.snapshot import (
     CHUNKS_DIR,
     RECORDS_DIR,
     SnapshotRecord,
@@ -35,7 +35,7 @@ from ..protocol.snapshot import (
     retained,
     step_of_record_path,
 )
-from .state import FrozenState
+from swarmrun.node.state.run import FrozenState
 
 logger = logging.getLogger("swarmrun.snapshot")
 TMP_DIR = "tmp"

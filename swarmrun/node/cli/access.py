@@ -9,8 +9,8 @@ import shutil
 import time
 from pathlib import Path
 
-from ..protocol.access import Certificate, parse_ttl, revoke
-from ..protocol.errors import UsageError
+from swarmrun.protocol.access import Certificate, parse_ttl, revoke
+from swarmrun.protocol.errors import UsageError
 
 
 def add_parsers(sub, *, epilog: str, swarm_args) -> None:
@@ -54,7 +54,7 @@ def run_command(args, events) -> int:
 def _identity(args, events) -> int:
     from hivemind.p2p import PeerID
 
-    from .swarm import IDENTITY_FILE, ensure_identity
+    from swarmrun.node.net.swarm import IDENTITY_FILE, ensure_identity
 
     state_dir = _state_dir(args)
     path = state_dir / IDENTITY_FILE
@@ -96,9 +96,9 @@ def _identity(args, events) -> int:
 
 
 def _invite(args, events) -> int:
-    from .access import certificate_text
-    from .join import check_run_id
-    from .swarm import ensure_identity
+    from swarmrun.node.peer.access import certificate_text
+    from swarmrun.protocol.spec import check_run_id
+    from swarmrun.node.net.swarm import ensure_identity
 
     words = list(args.words)
     revoking = words[0] == "revoke"
@@ -112,12 +112,13 @@ def _invite(args, events) -> int:
             raise UsageError(f"{peer!r} is not a peer id (the invitee prints it with `node identity show`)")
     _, key = ensure_identity(_state_dir(args))
     if revoking:
-        from .cli import _run_async, swarm_config
+        from swarmrun.node.runtime import run_async as run_async
+        from swarmrun.node.cli.common import swarm_config
 
         config = swarm_config(args)
         if not config.initial_peers:
             raise UsageError("revoking needs the swarm: give --peers MADDR of a peer of the run")
-        revoked = _run_async(_publish_revocation(run_id, args.peer, config.initial_peers, key, undo=args.undo))
+        revoked = run_async(_publish_revocation(run_id, args.peer, config.initial_peers, key, undo=args.undo))
         events.emit("revoked", run_id=run_id, revoked=sorted(revoked), undo=args.undo)
         return 0
     try:
@@ -145,8 +146,9 @@ def _invite(args, events) -> int:
 
 
 async def _publish_revocation(run_id: str, peers, initial_peers, key, *, undo: bool) -> frozenset[str]:
-    from .access import AccessGate, publish_revocations
-    from .swarm import owner_session
+    from swarmrun.node.peer.access import AccessGate
+    from swarmrun.node.net.records import publish_revocations
+    from swarmrun.node.net.records import owner_session
 
     async with owner_session(run_id, initial_peers, key, action="revoke") as (dht, signed):
         gate = AccessGate(signed.spec)

@@ -2,7 +2,9 @@
 
 One asyncio loop; the gradient computation and the optimizer step run in a worker thread. hivemind's DHT
 and averager run in their own processes and are reached through their public API (MPFutures are awaited).
-The catch-up (step-record replay and state fetch) is a mixin in ``catchup.py``.
+What it is made of, each an object of its own: the round and its vote (``rounds.RoundRunner``), the progress
+reporter and the swarm view (``reporter.Reporter``), the served state (``served.ServedState``) and the catch-up
+(``catchup.CatchUp``). The trainer keeps the loop, the accumulation and applying a committed step.
 """
 
 from __future__ import annotations
@@ -19,38 +21,35 @@ from hivemind import DHT
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from ..protocol.cursor import RangeSet
-from ..protocol.errors import IncompatibleState, ProtocolError, SwarmrunError
-from ..protocol.round import (
+from swarmrun.node.net.swarm import record_validator, signed_subkey
+from swarmrun.node.output import Events
+from swarmrun.node.peer.access import AccessGate
+from swarmrun.node.peer.catchup import CatchUp
+from swarmrun.node.peer.reporter import Reporter
+from swarmrun.node.peer.rounds import RoundRunner, make_averager
+from swarmrun.node.peer.served import ServedState
+from swarmrun.node.state.run import FrozenState, RunState
+from swarmrun.node.state.steps import make_step_record
+from swarmrun.node.tasks.base import Task, batch_len, batch_to
+from swarmrun.protocol.cursor import RangeSet
+from swarmrun.protocol.errors import IncompatibleState, Stopped, SwarmrunError
+from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE
+from swarmrun.protocol.round import (
     Commit,
     ProgressReport,
     Role,
     RoundMeta,
     SwarmView,
-    Vote,
-    claim_samples,
-    decide_claims,
-    decide_commit,
-    progress_key,
-    pick_blocks,
     accumulation_cap,
-    should_resync,
+    decide_claims,
+    pick_blocks,
     should_start_round,
-    vote_key,
+    step_target,
 )
-from ..protocol.manifest import DEFAULT_CHUNK_SIZE
-from ..protocol.spec import Spec
-from ..protocol.transfer import ProviderRecord, providers_key
-from .averaging import RoundAverager, RoundOutcome
-from .output import Events, set_log_context
-from .access import AccessGate
-from .swarm import record_validator, signed_subkey, subkey_owner
-from .state import FrozenState, RunState, digest_tensors
-from .catchup import CatchUp, Stopped
-from .transfer import Fetcher, StateServer, admit_open, make_step_record
-from .task import Task, batch_len, batch_to
+from swarmrun.protocol.spec import Spec
 
 logger = logging.getLogger("swarmrun.trainer")
+LAST_REPORT_TIMEOUT = 5.0  # the last report on the way out (the DHT may be leaving too)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +75,7 @@ class TrainerConfig:
     finish_linger: float = 45.0  # a finished peer serves trainers still behind at most this long (> a round's wait)
 
 
-class Trainer(CatchUp):
+class Trainer:
     """A peer of a run: trains (or keeps state), averages, commits, serves its state.
 
     Args:
@@ -91,16 +90,14 @@ class Trainer(CatchUp):
                  identity: RSAPrivateKey, gate: Optional[AccessGate] = None):
         self.spec, self.task, self.dht, self.state, self.events, self.config = spec, task, dht, state, events, config
         self.gate = gate if gate is not None else AccessGate(spec)
+        self.peer_id = dht.peer_id.to_base58()
         # this peer's DHT records (progress, votes, provider records) are signed with its identity (its p2pd key):
         # no one writes in its name
-        self._provider_subkey = signed_subkey(record_validator(identity), dht.peer_id.to_base58())
+        subkey = signed_subkey(record_validator(identity), self.peer_id)
         self.device = torch.device(config.device)
-        self.peer_id = dht.peer_id.to_base58()
         self.params = [p for p in state.model.parameters()]
         self.samples = 0  # samples accumulated toward the next step
         self.claimed = RangeSet()  # blocks whose gradients are in the accumulator
-        self.view = SwarmView(reports={})
-        self._seen: dict[str, float] = {}  # trainer -> when this peer last saw it live
         self.stop_requested = asyncio.Event()
         self.finished = False
         self.snapshots = False  # this peer has a snapshot store (set by its SnapshotSide; reported to the others)
@@ -108,65 +105,48 @@ class Trainer(CatchUp):
         self.last_loss: Optional[float] = None
         self.failed_rounds = 0
         self.stats = dict(steps_committed=0, rounds_abandoned=0, resyncs=0)
-        self.server: Optional[StateServer] = None  # serves self.frozen and the step records to joiners
-        self.fetcher: Optional[Fetcher] = None
-        self._diverged = None  # the manifest of a replay that did not give the committers' state (diagnosis)
-        self._record: Optional[FrozenState] = None  # the step record of the last commit, to publish
-        self.frozen: Optional[FrozenState] = None  # the state of the current step, frozen (served, snapshotted)
         self.commit_hooks: list = []  # hook(frozen) after every committed step, in this loop; must not block
-        self._state_hash = ""
-        self.chunk_size = int(spec.hparams.get("chunk_size", DEFAULT_CHUNK_SIZE))
-        self._record_bytes = sum(p.numel() * p.element_size() for p in self.params)  # one step record
-        averaged = [torch.zeros_like(p, device="cpu") for p in self.params]
-        self.averager = RoundAverager(
-            averaged,
-            dht,
-            spec_hash=spec.spec_hash(),
-            gate=self.gate,
-            prefix=f"swarmrun_{spec.run_id}",
-            start=True,
-            min_matchmaking_time=config.matchmaking_time,
-            # hivemind: a request_timeout not below min_matchmaking_time can deadlock matchmaking
-            request_timeout=min(config.request_timeout, 0.5 * config.matchmaking_time),
-            allreduce_timeout=config.allreduce_timeout,
-            next_chunk_timeout=config.next_chunk_timeout,
-            target_group_size=None,
-            min_group_size=2,
-            auxiliary=config.role == Role.KEEPER,
-            allow_state_sharing=False,  # state travels through swarmrun's own transfer (transfer.py)
-            shutdown_timeout=3.0,
-        )
-        self._refresh_served_state()
+        self.served = ServedState(state=state, spec=spec, dht=dht, gate=self.gate,
+                                  chunk_size=int(spec.hparams.get("chunk_size", DEFAULT_CHUNK_SIZE)),
+                                  chunk_timeout=config.next_chunk_timeout * 5)
+        self.reporter = Reporter(dht=dht, spec=spec, gate=self.gate, config=config, peer_id=self.peer_id,
+                                 subkey=subkey, report=self._report,
+                                 provider_record=lambda: self.served.provider_record(config.role),
+                                 on_tick=self._on_tick)
+        self.averager = make_averager(self.params, dht, spec=spec, gate=self.gate, config=config)
+        self.rounds = RoundRunner(averager=self.averager, dht=dht, spec=spec, gate=self.gate, config=config,
+                                  subkey=subkey, live=self.reporter.recently_live, stop_requested=self.stop_requested)
+        self.catchup = CatchUp(dht=dht, spec=spec, config=config, events=events, peer_id=self.peer_id, state=state,
+                               served=self.served, reporter=self.reporter, stop_requested=self.stop_requested,
+                               replay=self._optimizer_step,
+                               record_bytes=sum(p.numel() * p.element_size() for p in self.params))
 
-    # ---- state served to joiners (frozen copy, refreshed after every commit) ------------------------
-    def _refresh_served_state(self) -> None:
-        """Freeze the state of the current step (runs in the worker thread; published from the loop)."""
-        self.frozen = self.state.freeze(chunk_size=self.chunk_size)
-        self._state_hash = self.frozen.manifest.state_hash()
-        set_log_context(step=self.state.step)
+    @property
+    def view(self) -> SwarmView:
+        return self.reporter.view
 
-    async def start_serving(self) -> None:
-        """Serve this peer's state and step records over its p2pd, and fetch through it (idempotent)."""
-        if self.server is not None:
-            return
-        p2p = await self.dht.replicate_p2p()
-        admit = admit_open(self.spec.spec_hash(), self.gate)
-        self.server = StateServer(p2p, self.spec.run_id, admit)
-        await self.server.start()
-        self.server.publish_state(self.frozen)
-        self.fetcher = Fetcher(p2p, self.spec.run_id, self.spec.spec_hash(), chunk_timeout=self.config.next_chunk_timeout * 5,
-                               credentials=self.gate.credentials)
-
-    def _publish(self) -> None:
-        if self.server is not None:
-            self.server.publish_state(self.frozen)
-            if self._record is not None:
-                self.server.publish_record(self._record)
-        self._record = None
+    @property
+    def frozen(self) -> Optional[FrozenState]:
+        """The state of the current step, frozen (served, snapshotted)."""
+        return self.served.frozen
 
     @property
     def state_hash(self) -> str:
-        return self._state_hash
+        return self.served.state_hash
+
+    async def catch_up(self, *, deadline: float) -> dict:
+        """See ``CatchUp.catch_up``."""
+        return await self.catchup.catch_up(deadline=deadline)
+
+    async def resync(self) -> None:
+        """Catch up with the swarm (drops local accumulation: it belongs to a step this peer is no longer at)."""
+        before = self.state.step
+        t0 = time.perf_counter()
+        how = await self.catch_up(deadline=time.monotonic() + self.config.state_timeout)
+        self._zero_accumulator()
+        self.stats["resyncs"] += 1
+        self.events.emit("resync", from_step=before, step=self.state.step, state_hash=self.state_hash,
+                         seconds=round(time.perf_counter() - t0, 3), **how)
 
     # ---- the main loop ------------------------------------------------------------------------------
     async def run(self) -> str:
@@ -175,10 +155,10 @@ class Trainer(CatchUp):
         Returns:
             why it ended: "finished", "max_steps" or "stopped".
         """
-        await self.start_serving()
-        reporter = asyncio.create_task(self._report_forever())
+        await self.served.start()
+        reporter = asyncio.create_task(self.reporter.forever())
         try:
-            await self._refresh_view()
+            await self.reporter.refresh()
             while True:
                 try:
                     reason = await self._iterate()
@@ -194,7 +174,7 @@ class Trainer(CatchUp):
             reporter.cancel()
             if self.dht.is_alive():
                 try:  # the last word: finished or where we stopped (bounded: the DHT may be on its way out)
-                    await asyncio.wait_for(self._publish_report(), 5.0)
+                    await asyncio.wait_for(self.reporter.publish(), LAST_REPORT_TIMEOUT)
                 except asyncio.TimeoutError:
                     pass
 
@@ -254,15 +234,10 @@ class Trainer(CatchUp):
             await asyncio.sleep(self.config.report_interval)
 
     def _target(self) -> int:
-        """Samples a step needs: target_batch_size, or what is left of the data epoch (its last step is short)."""
-        cursor, target = self.state.cursor, self.spec.target_batch_size
-        pending = cursor.pending()
-        if len(pending) * cursor.block_size > target + cursor.block_size:  # cheap: far from the epoch's end
-            return target
-        return min(target, claim_samples(pending, cursor))
+        return step_target(self.state.cursor, self.spec.target_batch_size)
 
     def _behind(self) -> bool:
-        return should_resync(self.view, me=self.peer_id, step=self.state.step, state_hash=self.state_hash)
+        return self.catchup.behind()
 
     # ---- gradients -----------------------------------------------------------------------------------
     def _take_blocks(self) -> list[int]:
@@ -330,83 +305,27 @@ class Trainer(CatchUp):
             logger.warning("local gradient is not finite: dropping it and skipping this round")
             self._zero_accumulator()
             return
-        with self.averager.get_tensors() as buffers:
-            for buf, p in zip(buffers, self.params):
-                if p.grad is None:
-                    buf.zero_()
-                else:
-                    buf.copy_(p.grad.detach().float().cpu() / max(1, self.samples))
-        self.averager.prepare_round(self.state.step, self.state.cursor, self.gate.revocations)
-        t0 = time.perf_counter()
+        self.rounds.load([p.grad for p in self.params], self.samples)
         try:
-            control = self.averager.step(gather=meta.encode(), weight=float(max(self.samples, 1)),
-                                         timeout=self.config.averaging_timeout, allow_retries=True, wait=False)
-            outcome: RoundOutcome = await self._unless_stopped(_await(control, self.config.averaging_timeout + 5))
+            result = await self.rounds.attempt(meta, cursor=self.state.cursor, target=self._target())
         except Stopped:
             raise
         except Exception as e:
             self._abandon(f"no round formed: {type(e).__name__}: {e}")
-            await self._refresh_view()
+            await self.reporter.refresh()
             return
-        decision, claims = await self._vote(outcome)
-        if isinstance(decision, Commit):
+        claims, outcome = result.claims, result.outcome
+        if isinstance(result.decision, Commit):
             await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
             self._after_commit()
-            self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=time.perf_counter() - t0,
+            self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=result.seconds,
                                                           samples=claims.samples, blocks=claims.applied.to_list()))
         else:
             me = outcome.peer_ids.index(self.peer_id) if self.peer_id in outcome.peer_ids else -1
             if me in claims.refused:
                 logger.warning("my claimed blocks overlapped another participant's: dropping my accumulated gradients")
                 self._zero_accumulator()
-            self._abandon(decision.reason)
-
-    async def _unless_stopped(self, awaitable):
-        """Await, unless a stop is requested first (a leave must not wait out a round's timeout).
-
-        Raises:
-            Stopped: the stop came first (the round is abandoned; nothing was applied).
-        """
-        task = asyncio.ensure_future(awaitable)
-        stop = asyncio.ensure_future(self.stop_requested.wait())
-        try:
-            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if not task.done():
-            task.cancel()
-            raise Stopped()
-        return task.result()
-
-    async def _vote(self, outcome: RoundOutcome):
-        claims = decide_claims(outcome.metas, self.state.cursor)
-        with self.averager.get_tensors() as buffers:
-            finite = all(bool(torch.isfinite(b).all()) for b in buffers)
-            grad_hash = digest_tensors(buffers)
-        ok = outcome.complete and finite
-        reason = outcome.reason if not outcome.complete else ("" if finite else "averaged gradient is not finite")
-        live = max(self._recently_live(), len(outcome.peer_ids))
-        mine = Vote(step=self.state.step, group_id=outcome.group_id.hex(), grad_hash=grad_hash, ok=ok, reason=reason,
-                    live=live)
-        key = vote_key(self.spec.run_id, self.state.step)
-        await _await(self.dht.store(key, subkey=self._provider_subkey, value=mine.encode(),
-                                    expiration_time=get_dht_time() + 120, return_future=True))
-        deadline = time.monotonic() + self.config.vote_timeout
-        votes: dict[str, Vote] = {}
-        while True:
-            # a vote of an earlier attempt at this step (another group) is not a vote in this round
-            votes = {p: v for p, v in (await self._read_votes(key)).items() if v.group_id == mine.group_id}
-            if not ok or all(p in votes for p in outcome.peer_ids) or time.monotonic() > deadline:
-                break
-            if any(not v.ok for v in votes.values() if v.group_id == mine.group_id):
-                break
-            await asyncio.sleep(0.05)
-        decision = decide_commit(mine=mine, votes=votes, group=outcome.peer_ids, live_trainers=live,
-                                 samples=claims.samples, target_batch_size=self._target())
-        return decision, claims
-
-    async def _read_votes(self, key: str) -> dict[str, Vote]:
-        return await read_subkeys(self.dht, key, Vote.decode, signed=True)
+            self._abandon(result.decision.reason)
 
     def _abandon(self, reason: str) -> None:
         self.stats["rounds_abandoned"] += 1
@@ -439,10 +358,10 @@ class Trainer(CatchUp):
         self._zero_accumulator()
         self.failed_rounds = 0
         self.stats["steps_committed"] += 1
-        self._record = make_step_record(spec_hash=self.spec.spec_hash(), step=self.state.step - 1, grads=grads,
+        self.served.record = make_step_record(spec_hash=self.spec.spec_hash(), step=self.state.step - 1, grads=grads,
                                         applied=applied, data_epoch=self.state.cursor.data_epoch,
                                         state_hash_before=before, state_hash_after=self.state_hash,
-                                        chunk_size=self.chunk_size)
+                                        chunk_size=self.served.chunk_size)
         every = int(self.spec.hparams.get("eval_every", 0))
         if every and self.state.step % every == 0 or self.state.step == self.spec.total_steps:
             loss = self.task.evaluate(self.state.model, self.device)
@@ -462,10 +381,10 @@ class Trainer(CatchUp):
         self.state.cursor = self.state.cursor.apply(applied)
         for p in self.params:
             p.grad = None
-        self._refresh_served_state()
+        self.served.refresh()
 
     def _after_commit(self) -> None:
-        self._publish()
+        self.served.publish()
         for hook in list(self.commit_hooks):
             try:
                 hook(self.frozen)
@@ -495,124 +414,15 @@ class Trainer(CatchUp):
                               cursor=self.state.cursor.summary(), snapshots=self.snapshots,
                               left=left)
 
-    def _provider_record(self) -> Optional[ProviderRecord]:
-        if self.server is None or self.frozen is None:
-            return None
-        return ProviderRecord(step=self.state.step, manifest_hash=self.frozen.manifest.manifest_hash(),
-                              state_hash=self.state_hash, total_bytes=self.frozen.manifest.total_bytes,
-                              time=get_dht_time(), keeper=self.config.role == Role.KEEPER,
-                              serving=self.server.sessions, log=self.server.announced_log())
-
-    async def _publish_report(self) -> None:
-        record = self._provider_record()
-        if record is not None:
-            try:
-                await _await(self.dht.store(providers_key(self.spec.run_id), subkey=self._provider_subkey, value=record.encode(),
-                                            expiration_time=get_dht_time() + self.config.report_ttl, return_future=True))
-            except Exception as e:
-                logger.debug(f"could not announce the served state: {e!r}")
-        try:
-            await _await(self.dht.store(progress_key(self.spec.run_id), subkey=self._provider_subkey,
-                                        value=self._report().encode(),
-                                        expiration_time=get_dht_time() + self.config.report_ttl, return_future=True))
-        except Exception as e:
-            logger.debug(f"could not publish progress: {e!r}")
-
-    def _recently_live(self) -> int:
-        """Trainers seen live within the report TTL (a high-water mark: a view that is still forming, at a start or
-        under load, must not make a minority look like a majority)."""
-        now = time.monotonic()
-        for peer in self.view.trainers:
-            self._seen[peer] = now
-        self._seen = {p: t for p, t in self._seen.items() if now - t <= self.config.report_ttl}
-        return len(self._seen | {self.peer_id: now})
-
-    async def _refresh_view(self) -> None:
-        self.view = await read_view(self.dht, self.spec.run_id, self.gate)
-        reports = dict(self.view.reports)
-        reports[self.peer_id] = self._report()
-        self.view = SwarmView(reports=reports)
-        self._recently_live()
-
-    async def _report_forever(self) -> None:
-        last_refresh = 0.0
-        while True:
-            await self._publish_report()
-            try:
-                await self._refresh_view()
-                if self.spec.access != "open" and time.monotonic() - last_refresh > 5.0:
-                    await self.gate.refresh(self.dht)  # the owner's revocations
-                    last_refresh = time.monotonic()
-            except Exception as e:
-                logger.debug(f"could not read progress: {e!r}")
-            if self.config.role == Role.TRAINER and self.state.step > 0:
-                self.events.emit("progress", **self._step_fields())
-            await asyncio.sleep(self.config.report_interval)
+    def _on_tick(self) -> None:
+        if self.state.step > 0:
+            self.events.emit("progress", **self._step_fields())
 
     async def stop_serving(self) -> None:
-        if self.server is not None and self.dht.is_alive():
-            try:
-                await asyncio.wait_for(self.server.stop(), 3.0)  # p2pd may be gone: never hang on the way out
-            except asyncio.TimeoutError:
-                pass
+        await self.served.stop()
 
     def shutdown(self) -> None:
         try:
             self.averager.shutdown()
         except Exception as e:
             logger.debug(f"averager shutdown: {e!r}")
-
-
-async def read_subkeys(dht: DHT, key: str, decode, *, signed: bool = False) -> dict:
-    """The decoded values of a DHT key's subkeys, by peer id (malformed ones are ignored). ``signed``: only records
-    signed by the peer their subkey names (progress reports, votes)."""
-    found = await _await(dht.get(key, latest=True, return_future=True))
-    out = {}
-    if found is not None and isinstance(found.value, dict):
-        for subkey, item in found.value.items():
-            owner = subkey_owner(subkey)
-            if owner is None and not signed and isinstance(subkey, str):
-                owner = subkey
-            if owner is None:
-                continue
-            try:
-                out[owner] = decode(item.value)
-            except (ProtocolError, AttributeError, TypeError):
-                continue
-    return out
-
-
-async def read_view(dht: DHT, run_id: str, gate: Optional[AccessGate] = None) -> SwarmView:
-    """The live progress reports of a run, by peer id: signed by that peer and, in an invite-only run, carrying a
-    certificate the gate admits (a report from anyone else is not part of the run)."""
-    reports = await read_subkeys(dht, progress_key(run_id), ProgressReport.decode, signed=True)
-    if gate is not None and gate.spec.access != "open":
-        reports = {p: r for p, r in reports.items() if gate.check(p, r.certificate) is None}
-    return SwarmView(reports=reports)
-
-
-async def read_providers(dht: DHT, run_id: str) -> dict[str, ProviderRecord]:
-    """The live provider records of a run, by peer id: only records signed by the peer they name (hivemind's
-    validator checked the signature; ``subkey_owner`` that the key is that peer's identity); malformed ones
-    are ignored."""
-    found = await _await(dht.get(providers_key(run_id), latest=True, return_future=True))
-    out = {}
-    if found is not None and isinstance(found.value, dict):
-        for subkey, item in found.value.items():
-            owner = subkey_owner(subkey)
-            if owner is None:
-                continue
-            try:
-                out[owner] = ProviderRecord.decode(item.value)
-            except (ProtocolError, AttributeError, TypeError):
-                continue
-    return out
-
-
-async def _await(mpfuture, timeout: float = 30.0):
-    """Await a hivemind MPFuture, bounded: if its process died, the future would never resolve."""
-    return await asyncio.wait_for(asyncio.ensure_future(_wrap(mpfuture)), timeout)
-
-
-async def _wrap(mpfuture):
-    return await mpfuture

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..protocol.errors import IncompatibleState, ProtocolError, RunNotFound, SwarmrunError, UsageError
+from swarmrun.protocol.errors import IncompatibleState, ProtocolError, RunNotFound, SwarmrunError, UsageError
+from swarmrun.node.cli.common import require_peers
 
 _FMT = argparse.RawDescriptionHelpFormatter
 
@@ -69,7 +70,7 @@ def _print(events, event: str, fields: dict, human: str) -> None:
 
 
 def _existing_store(url: str):
-    from .snapshot import SnapshotStore
+    from swarmrun.node.state.store import SnapshotStore
 
     store = SnapshotStore(url)
     if not store.steps():
@@ -79,9 +80,9 @@ def _existing_store(url: str):
 
 def describe(record, *, complete: bool = True) -> dict[str, Any]:
     """The summary of a snapshot record that `ls` and `inspect` print."""
-    from ..protocol.cursor import DataCursor
-    from ..protocol.snapshot import Amendment
-    from ..protocol.spec import SignedSpec
+    from swarmrun.protocol.cursor import DataCursor
+    from swarmrun.protocol.snapshot import Amendment
+    from swarmrun.protocol.spec import SignedSpec
 
     m = record.manifest
     try:
@@ -118,7 +119,7 @@ def _ls(args, events) -> int:
 
 
 def _inspect(args, events) -> int:
-    from .snapshot import open_ref
+    from swarmrun.node.state.store import open_ref
 
     store, step = open_ref(args.ref)
     if step is None:
@@ -138,8 +139,8 @@ def _inspect(args, events) -> int:
 
 
 def _verify(args, events) -> int:
-    from ..protocol.spec import SignedSpec
-    from .swarm import verify_signature
+    from swarmrun.protocol.spec import SignedSpec
+    from swarmrun.node.net.swarm import verify_signature
 
     store = _existing_store(args.store)
     bad = 0
@@ -163,7 +164,7 @@ def _verify(args, events) -> int:
 def _export(args, events) -> int:
     from safetensors.torch import save_file
 
-    from .snapshot import open_ref
+    from swarmrun.node.state.store import open_ref
 
     store, step = open_ref(args.ref)
     snap = store.load(step)
@@ -184,12 +185,14 @@ def _export(args, events) -> int:
 def _import(args, events) -> int:
     import re
 
-    from .cli import parse_sets, swarm_config
-    from .join import DEFAULT_SEED, check_run_id, initial_state, make_spec
-    from .snapshot import SnapshotStore
-    from .swarm import ensure_identity, public_key_bytes
-    from .task import TaskError, load_task_class
-    from ..protocol.spec import SignedSpec
+    from swarmrun.node.cli.common import parse_sets, swarm_config
+    from swarmrun.node.peer.build import DEFAULT_SEED, initial_state, make_spec
+    from swarmrun.protocol.spec import check_run_id
+    from swarmrun.node.state.store import SnapshotStore
+    from swarmrun.node.net.swarm import ensure_identity, public_key_bytes
+    from swarmrun.protocol.errors import TaskError
+    from swarmrun.node.tasks.base import load_task_class
+    from swarmrun.protocol.spec import SignedSpec
 
     run_id = check_run_id(args.run_id or re.sub(r"[^A-Za-z0-9_-]", "-", Path(args.checkpoint).stem)[:64])
     try:
@@ -251,18 +254,18 @@ def _load_checkpoint(path: str) -> dict:
 
 # ---- pause ------------------------------------------------------------------------------------------------
 def _pause(args, events) -> int:
-    from .cli import _run_async, swarm_config
-    from .join import check_run_id
-    from .swarm import ensure_identity
+    from swarmrun.node.runtime import run_async as run_async
+    from swarmrun.node.cli.common import swarm_config
+    from swarmrun.protocol.spec import check_run_id
+    from swarmrun.node.net.swarm import ensure_identity
 
     check_run_id(args.run_id)
+    require_peers(args)
     config = swarm_config(args)
-    if not config.initial_peers:
-        raise UsageError("give --peers MADDR (or SWARMRUN_PEERS) of a peer of the run")
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
     key = ensure_identity(config.state_dir)[1]
-    result = _run_async(pause_run(args.run_id, config.initial_peers, key=key, store=args.to, timeout=args.timeout,
+    result = run_async(pause_run(args.run_id, config.initial_peers, key=key, store=args.to, timeout=args.timeout,
                                   listen=config.listen))
     _print(events, "paused", result, f"run {args.run_id} paused at step {result['step']}: {result['where']}\n"
            f"resume with: node join {args.run_id} --resume-from {result['where']}")
@@ -279,9 +282,10 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
     """
     from hivemind.utils.timed_storage import get_dht_time
 
-    from ..protocol.snapshot import PauseNote, PauseRecord, pause_key, paused_key
-    from .swarm import owner_session
-    from .trainer import _await, read_subkeys, read_view
+    from swarmrun.protocol.snapshot import PauseNote, PauseRecord, pause_key, paused_key
+    from swarmrun.node.net.records import owner_session
+    from swarmrun.node.runtime import await_future
+    from swarmrun.node.net.records import read_subkeys, read_view
 
     # the session is a full DHT node: the peers' notes must outlive the peers, which leave right after
     async with owner_session(run_id, initial_peers, key, action="pause it", listen=listen) as (dht, signed):
@@ -304,7 +308,7 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
         published = 0.0
         while time.monotonic() < deadline:
             if time.monotonic() - published > 30:
-                await _await(dht.store(pause_key(run_id), record.encode(), expiration_time=get_dht_time() + 120,
+                await await_future(dht.store(pause_key(run_id), record.encode(), expiration_time=get_dht_time() + 120,
                                        return_future=True))
                 published = time.monotonic()
             notes = {p: n for p, n in (await read_subkeys(dht, paused_key(run_id), PauseNote.decode)).items()

@@ -25,11 +25,11 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import amap_in_executor, azip, as_aiter, enter_asynchronously
 
-from ..protocol.codec import unpack
-from ..protocol.cursor import DataCursor
-from ..protocol.errors import ProtocolError
-from . import faults
-from ..protocol.round import ClaimDecision, RoundMeta, check_round_meta, decide_claims
+from swarmrun.protocol.codec import unpack
+from swarmrun.protocol.cursor import DataCursor
+from swarmrun.protocol.errors import ProtocolError
+from swarmrun.node import faults
+from swarmrun.protocol.round import ClaimDecision, RoundMeta, check_round_meta, decide_claims
 
 logger = get_logger(__name__)
 SUSPECT_STEPS = 10  # rounds a sender caught with bad gradients is refused in
@@ -151,8 +151,8 @@ class RoundAverager(DecentralizedAverager):
     Overrides, each because hivemind has no hook for it:
     - ``_set_round_context`` (new, reached through hivemind's control pipe by ``prepare_round``): the
       round's step and cursor; the group key carries the step, so only peers at one step meet.
-    - ``rpc_join_group``: admission of a follower (spec hash, step; certificates once access control
-      lands) before it enters the group, i.e. before any tensor moves.
+    - ``rpc_join_group``: admission of a follower (spec hash, step, its certificate in an invite-only run)
+      before it enters the group, i.e. before any tensor moves.
     - ``_aggregate_with_group``: checks every member's metadata again (a follower checks the leader's
       group), decides claims and weights, runs ``ExactAllReduceRunner`` and returns a ``RoundOutcome``
       instead of raising on a partial all-reduce (a retry would run on half-averaged tensors).
@@ -180,19 +180,21 @@ class RoundAverager(DecentralizedAverager):
     def prepare_round(self, step: int, cursor: DataCursor, revocations=None) -> None:
         """Tell the averager process which step the next round is for and the cursor its claims are
         decided against. hivemind's control pipe is the only channel into that process; its messages are
-        handled in order, so this arrives before the ``step()`` call that follows it."""
+        handled in order, so this arrives before the ``step()`` call that follows it. The pipe dispatches by method
+        name: that is hivemind's protocol for it (``DecentralizedAverager._run_internal``), not one of ours; this
+        is its only use, and the name is this class's own method."""
         encoded = revocations.encode() if revocations is not None else None
         self._outer_pipe.send(("_set_round_context", [step, cursor.to_dict(), encoded], {}))
 
     async def _set_round_context(self, step: int, cursor: dict, revocations: Optional[bytes] = None) -> None:
         if self._round_step is None:
-            from .transfer import _quiet_dropped_streams
+            from swarmrun.node.net.streams import quiet_dropped_streams
 
-            _quiet_dropped_streams(asyncio.get_running_loop())  # this process's loop too
+            quiet_dropped_streams(asyncio.get_running_loop())  # this process's loop too
         self._round_step = step
         self._round_cursor = DataCursor.from_dict(cursor)
         if revocations is not None and self.gate is not None:
-            from ..protocol.access import Revocations
+            from swarmrun.protocol.access import Revocations
 
             self.gate.revocations = Revocations.decode(revocations)  # verified by the host process
         # peers at different steps must never meet: the group key carries the step (as its group bits; the key's

@@ -1,9 +1,9 @@
 """Catch-up: how a trainer (or keeper) reaches the swarm's newest step.
 
 It replays announced step records from its own state when they reach back to it, else fetches the best-provided
-recent state from many providers at once (``transfer.Fetcher``) and replays the records since. A mixin of
-``Trainer``: it works on the trainer's state, view, fetcher and server, and is kept apart because it is the one
-part of the trainer that moves state between peers.
+recent state from many providers at once (``net.fetch.Fetcher``) and replays the records since. An object handed
+what it works on (the run state, the served state, the reporter's view, a replay function), not a part of the
+trainer: it is the one part of a peer that moves state between peers.
 """
 
 from __future__ import annotations
@@ -11,33 +11,51 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable, Optional
 
-from ..protocol.errors import IncompatibleState, SwarmrunError
-from ..protocol.manifest import Manifest
-from ..protocol.round import preferred_hash
-from ..protocol.transfer import Choice, choose_state, log_sources
-from .state import FrozenState
-from .transfer import read_step_record
+from hivemind import DHT
+
+from swarmrun.node.net.records import read_providers
+from swarmrun.node.output import Events
+from swarmrun.node.peer.reporter import Reporter
+from swarmrun.node.peer.served import ServedState
+from swarmrun.node.state.run import FrozenState, RunState
+from swarmrun.node.state.steps import read_step_record
+from swarmrun.protocol.cursor import RangeSet
+from swarmrun.protocol.errors import IncompatibleState, Stopped, SwarmrunError
+from swarmrun.protocol.manifest import Manifest
+from swarmrun.protocol.round import preferred_hash, should_resync
+from swarmrun.protocol.spec import Spec
+from swarmrun.protocol.transfer import Choice, choose_state, log_sources
+
+RECORD_FETCH_TIMEOUT = 30.0  # one step record (a gradient's size) from its providers
 
 logger = logging.getLogger("swarmrun.trainer")
 
 
-class Stopped(Exception):
-    """A stop was requested while the trainer waited on the swarm."""
-
-
 class CatchUp:
-    """The catch-up methods of ``Trainer`` (see the module's text)."""
+    """Reaches the swarm's newest step for one peer.
 
-    async def resync(self) -> None:
-        """Catch up with the swarm (drops local accumulation: it belongs to a step this peer is no longer at)."""
-        before = self.state.step
-        t0 = time.perf_counter()
-        how = await self.catch_up(deadline=time.monotonic() + self.config.state_timeout)
-        self._zero_accumulator()
-        self.stats["resyncs"] += 1
-        self.events.emit("resync", from_step=before, step=self.state.step, state_hash=self.state_hash,
-                         seconds=round(time.perf_counter() - t0, 3), **how)
+    Args:
+        state: the peer's run state (a fetched state is applied to it in place).
+        served: what the peer serves (refreshed after a replay or a fetch) and its fetcher.
+        reporter: the peer's view of the swarm (refreshed while catching up).
+        replay: applies one step record's gradients and blocks to ``state`` (the trainer's optimizer step: a
+            replay must run the same code as a commit to give the committers' bits).
+        record_bytes: the size of one step record (a gradient), to choose between replaying and fetching.
+    """
+
+    def __init__(self, *, dht: DHT, spec: Spec, config, events: Events, peer_id: str, state: RunState,
+                 served: ServedState, reporter: Reporter, stop_requested: asyncio.Event,
+                 replay: Callable[[list, RangeSet], None], record_bytes: int):
+        self.dht, self.spec, self.config, self.events, self.peer_id = dht, spec, config, events, peer_id
+        self.state, self.served, self.reporter, self.stop_requested = state, served, reporter, stop_requested
+        self.replay, self.record_bytes = replay, record_bytes
+        self.diverged: Optional[Manifest] = None  # a replay that did not give the committers' state (diagnosis)
+
+    def behind(self) -> bool:
+        return should_resync(self.reporter.view, me=self.peer_id, step=self.state.step,
+                             state_hash=self.served.state_hash)
 
     async def catch_up(self, *, deadline: float) -> dict:
         """Reach the swarm's newest step: replay step records from this state when they reach back to it, else
@@ -48,9 +66,7 @@ class CatchUp:
         Raises:
             IncompatibleState: nothing verified could be had before ``deadline``.
         """
-        from .trainer import read_providers  # the trainer's module imports this one
-
-        await self.start_serving()
+        await self.served.start()
         how = dict(bytes=0, fetched=0, replayed=0, providers=0, banned=0)
         last_error = "no provider announced a state"
         while time.monotonic() < deadline:
@@ -58,26 +74,26 @@ class CatchUp:
                 raise Stopped()
             if not self.dht.is_alive():
                 raise SwarmrunError("hivemind's DHT process died; leaving")
-            await self._refresh_view()
+            await self.reporter.refresh()
             records = {p: r for p, r in (await read_providers(self.dht, self.spec.run_id)).items() if p != self.peer_id}
-            if not records and not any(p != self.peer_id for p in self.view.reports):
+            if not records and not any(p != self.peer_id for p in self.reporter.view.reports):
                 last_error = "no peer of the run answered"  # a DHT read can miss under load: ask again
                 await asyncio.sleep(self.config.report_interval)
                 continue
-            newest = max([r.step for r in records.values()] + [self.view.newest_step])
-            if self.state.step >= newest and not self._behind():
-                how["banned"] = len(self.fetcher.banned)  # providers this peer caught lying so far
-                self.fetcher.partials.clear()  # caught up: an unfinished download is of a step behind this one
+            newest = max([r.step for r in records.values()] + [self.reporter.view.newest_step])
+            if self.state.step >= newest and not self.behind():
+                how["banned"] = len(self.served.fetcher.banned)  # providers this peer caught lying so far
+                self.served.fetcher.partials.clear()  # caught up: an unfinished download is of a step behind this one
                 return how
             choice = choose_state(records, trusted_hashes=self._trusted_hashes())
             # replay while the records to fetch weigh less than a whole state (Adam: about 3 records); after one
             # state fetch always replay: a swarm that steps during every fetch must not send us round again
             fetch_first = how["fetched"] == 0 and choice is not None and choice.step > self.state.step and \
-                (newest - self.state.step) * self._record_bytes > records[choice.providers[0]].total_bytes
+                (newest - self.state.step) * self.record_bytes > records[choice.providers[0]].total_bytes
             if not fetch_first and await self._replay(records, newest, deadline, how):
                 continue
-            if choice is None or (choice.step, choice.state_hash) == (self.state.step, self.state_hash) or \
-                    (choice.step < self.state.step and not self._behind()):
+            if choice is None or (choice.step, choice.state_hash) == (self.state.step, self.served.state_hash) or \
+                    (choice.step < self.state.step and not self.behind()):
                 await asyncio.sleep(self.config.report_interval)  # nothing better to fetch yet
                 continue
             try:
@@ -86,15 +102,14 @@ class CatchUp:
                 last_error = str(e)
                 await asyncio.sleep(self.config.report_interval)
                 continue
-            if self._diverged is not None and self._diverged.step == frozen.step:
+            if self.diverged is not None and self.diverged.step == frozen.step:
                 logger.warning(f"the replayed state of step {frozen.step} differed from the fetched one in: "
-                               f"{', '.join(manifest_differences(self._diverged, frozen.manifest)) or 'nothing?'}")
-            self._diverged = None
+                               f"{', '.join(manifest_differences(self.diverged, frozen.manifest)) or 'nothing?'}")
+            self.diverged = None
             await asyncio.to_thread(self.state.apply_frozen, frozen, adopt=True)  # a fetched state is ours alone
-            await asyncio.to_thread(self._refresh_served_state)
-            if self.server is not None:
-                self.server.drop_records()  # earlier records described another history of this peer
-            self._publish()
+            await asyncio.to_thread(self.served.refresh)
+            self.served.drop_records()  # earlier records described another history of this peer
+            self.served.publish()
         raise IncompatibleState(f"could not catch up with the swarm within {self.config.state_timeout:.0f}s: {last_error}")
 
     async def _fetch_state(self, choice: Choice, deadline: float, how: dict) -> FrozenState:
@@ -109,7 +124,7 @@ class CatchUp:
                                  mb_per_s=round(total["done"] / max(now - total["t0"], 1e-6) / 2**20, 1),
                                  providers=active)
 
-        frozen, stats = await self.fetcher.fetch(choice.manifest_hash, choice.providers, deadline=deadline,
+        frozen, stats = await self.served.fetcher.fetch(choice.manifest_hash, choice.providers, deadline=deadline,
                                                  progress=progress)
         # the fetch verified every chunk and tensor digest against the manifest; its state_hash is checked here
         if frozen.manifest.state_hash() != choice.state_hash:
@@ -129,31 +144,31 @@ class CatchUp:
             if manifest_hash is None:
                 break
             try:
-                record, stats = await self.fetcher.fetch(manifest_hash, sources,
-                                                         deadline=min(deadline, time.monotonic() + 30.0))
+                record, stats = await self.served.fetcher.fetch(manifest_hash, sources,
+                                                         deadline=min(deadline, time.monotonic() + RECORD_FETCH_TIMEOUT))
                 grads, applied, before, after = read_step_record(record)
             except IncompatibleState as e:
                 logger.info(f"step record {self.state.step} unavailable: {e}")
                 break
-            if before != self.state_hash:
+            if before != self.served.state_hash:
                 break  # this peer's state is not the one the record starts from: a whole state is needed
-            await asyncio.to_thread(self._optimizer_step, grads, applied)
-            if self.state_hash != after:
+            await asyncio.to_thread(self.replay, grads, applied)
+            if self.served.state_hash != after:
                 # e.g. another device's arithmetic: the replay does not give the committers' bits
                 logger.warning(f"replaying step {self.state.step - 1} did not give the committers' state; fetching one")
-                self._diverged = self.frozen.manifest
-                self.server.drop_records()
-                await asyncio.to_thread(self._refresh_served_state)
+                self.diverged = self.served.frozen.manifest
+                self.served.drop_records()
+                await asyncio.to_thread(self.served.refresh)
                 return False
-            self._record = record
-            self._publish()  # this peer serves the state and the record it replayed, too
+            self.served.record = record
+            self.served.publish()  # this peer serves the state and the record it replayed, too
             how["bytes"] += stats.bytes
             replayed += 1
         how["replayed"] += replayed
         return replayed > 0
 
     def _trusted_hashes(self) -> dict[int, str]:
-        steps = {r.step for p, r in self.view.trainers.items() if p != self.peer_id}
+        steps = {r.step for p, r in self.reporter.view.trainers.items() if p != self.peer_id}
         return {step: h for step in steps if (h := preferred_hash(self.view, step=step, me=self.peer_id))}
 
 

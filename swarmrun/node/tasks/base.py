@@ -18,13 +18,10 @@ from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 import torch
 
-from ..protocol.cursor import block_examples
+from swarmrun.protocol.cursor import block_examples
+from swarmrun.protocol.errors import TaskError
 
 ENTRY_POINT_GROUP = "swarmrun.tasks"
-
-
-class TaskError(ValueError):
-    """A task cannot be built from the given arguments (bad value, missing corpus, ...)."""
 
 
 class Task(abc.ABC):

@@ -16,9 +16,9 @@ from typing import Optional
 
 from hivemind.utils.timed_storage import get_dht_time
 
-from ..protocol.codec import pack, unpack
-from ..protocol.errors import AccessRefused, IncompatibleState, ProtocolError, SwarmrunError, UsageError
-from ..protocol.snapshot import (
+from swarmrun.protocol.codec import pack
+from swarmrun.protocol.errors import AccessRefused, IncompatibleState, ProtocolError, SwarmrunError, UsageError
+from swarmrun.protocol.snapshot import (
     Amendment,
     FailureWatch,
     PauseNote,
@@ -34,15 +34,18 @@ from ..protocol.snapshot import (
     paused_key,
     writer_candidates,
 )
-from ..protocol.spec import SignedSpec, Spec, amend
-from .snapshot import Snapshot, SnapshotStore, WriteResult, open_ref
-from .state import FrozenState, RunState
-from .swarm import public_key_bytes, verify_signature
+from swarmrun.protocol.spec import SignedSpec, Spec, amend
+from swarmrun.node.state.store import Snapshot, SnapshotStore, WriteResult, open_ref
+from swarmrun.node.state.run import FrozenState, RunState
+from swarmrun.node.net.swarm import public_key_bytes, verify_signature
+from swarmrun.node.net.records import HISTORY_TTL
+from swarmrun.node.net.records import NOTE_TTL
+from swarmrun.node.net.records import read_history
+from swarmrun.node.net.records import store_record
 
 logger = logging.getLogger("swarmrun.snapshot")
-HISTORY_TTL = 120.0
-NOTE_TTL = 300.0
 PAUSE_TAKEOVER = 30.0  # seconds a paused peer waits for each writer ahead of it before it writes the snapshot itself
+FRESH_VIEW_TIMEOUT = 3.0  # a leaving peer's last read of the run's reports (its DHT may be leaving too)
 PAUSE_GIVE_UP = 600.0  # a paused peer whose every write failed leaves after this long without any snapshot
 
 
@@ -216,7 +219,7 @@ class SnapshotWriter:
         if self.history:
             return self.history
         try:  # a peer that joined an amended run learns its history from the peers that resumed it
-            found = await asyncio.wait_for(_get(self.trainer.dht, history_key(self.signed.spec.run_id)), 5.0)
+            found = await asyncio.wait_for(read_history(self.trainer.dht, history_key(self.signed.spec.run_id)), 5.0)
             if found:
                 self.history = verified_history(found, self.signed.spec)
         except (asyncio.TimeoutError, SwarmrunError, ValueError) as e:
@@ -236,22 +239,8 @@ class SnapshotWriter:
             await asyncio.shield(self._inflight)
 
 
-async def _get(dht, key: str):
-    from .trainer import _await
-
-    found = await _await(dht.get(key, latest=True, return_future=True))
-    if found is None:
-        return None
-    value = unpack(found.value, max_size=1 << 20)
-    if not isinstance(value, list) or not all(isinstance(v, bytes) for v in value):
-        raise ValueError("malformed history record")
-    return tuple(value)
 
 
-async def _store(dht, key: str, value: bytes, ttl: float, subkey: Optional[str] = None) -> None:
-    from .trainer import _await
-
-    await _await(dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True))
 
 
 # ---- the peer side of pause, history publishing, the last peer's snapshot -------------------------------------
@@ -287,7 +276,7 @@ class SnapshotSide:
     async def _publish_history(self) -> None:
         while True:
             try:
-                await _store(self.trainer.dht, history_key(self.signed.spec.run_id), pack(list(self.history)),
+                await store_record(self.trainer.dht, history_key(self.signed.spec.run_id), pack(list(self.history)),
                              HISTORY_TTL)
             except Exception as e:
                 logger.debug(f"could not publish the amendment history: {e!r}")
@@ -315,10 +304,10 @@ class SnapshotSide:
             await asyncio.sleep(t.config.report_interval)
 
     async def _read_pause(self, key: str) -> Optional[PauseRecord]:
-        from .trainer import _await
+        from swarmrun.node.runtime import await_future
 
         try:
-            found = await _await(self.trainer.dht.get(key, latest=True, return_future=True))
+            found = await await_future(self.trainer.dht.get(key, latest=True, return_future=True))
             if found is None:
                 return None
             record = PauseRecord.decode(found.value)
@@ -342,7 +331,7 @@ class SnapshotSide:
         """The state this peer stopped at (a round in flight when the pause came may have committed one more
         step, on all its participants alike) is written by the elected writer, or by the next one if it fails;
         this peer says it left only once a durable snapshot of its step exists (``decide_pause_turn``)."""
-        from .trainer import read_subkeys
+        from swarmrun.node.net.records import read_subkeys
 
         t = self.trainer
         frozen = t.frozen
@@ -401,17 +390,20 @@ class SnapshotSide:
 
     async def _note(self, note: PauseNote) -> None:
         try:
-            await _store(self.trainer.dht, paused_key(self.trainer.spec.run_id), note.encode(), NOTE_TTL,
+            await store_record(self.trainer.dht, paused_key(self.trainer.spec.run_id), note.encode(), NOTE_TTL,
                          subkey=self.trainer.peer_id)
         except Exception as e:
             logger.warning(f"could not publish the pause note: {e!r}")
 
     async def _fresh_view(self):
         """The run's reports now (peers that left just before this one say so in their last report)."""
-        from .trainer import read_view
+        from swarmrun.node.net.records import read_view
 
+        if not self.trainer.dht.is_alive():  # a signal to the whole group ends hivemind's processes too
+            return self.trainer.view
         try:
-            return await read_view(self.trainer.dht, self.trainer.spec.run_id, self.trainer.gate)
+            return await asyncio.wait_for(read_view(self.trainer.dht, self.trainer.spec.run_id, self.trainer.gate),
+                                          FRESH_VIEW_TIMEOUT)
         except Exception as e:
             logger.debug(f"could not read the run's reports: {e!r}")
             return self.trainer.view
@@ -430,9 +422,11 @@ class SnapshotSide:
         if self.pause is not None and t.frozen is not None and t.frozen.step >= self.pause.at_step:
             await self._note(await self._pause_snapshot())
             return
+        if reason not in ("stopped", "max_steps") or t.frozen is None or (self.writer is None and not self.fallback_store):
+            return
         others = {p: r for p, r in (await self._fresh_view()).trainers.items()
                   if p != t.peer_id and not r.finished and not r.left}
-        if reason not in ("stopped", "max_steps") or t.frozen is None or any(r.snapshots for r in others.values()):
+        if any(r.snapshots for r in others.values()):
             return
         # this peer is the last one of the run that can snapshot: its state must not leave with it
         if self.writer is not None:

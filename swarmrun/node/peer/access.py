@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import Optional
 
 from hivemind import DHT
-from hivemind.utils.timed_storage import get_dht_time
 
-from ..protocol.access import Certificate, Revocations, admit, revocation_key
-from ..protocol.errors import AccessRefused, ProtocolError, UsageError
-from ..protocol.spec import Spec
-from .swarm import verify_signature
+from swarmrun.protocol.access import Certificate, Revocations, admit, revocation_key
+from swarmrun.protocol.errors import AccessRefused, ProtocolError, UsageError
+from swarmrun.protocol.spec import Spec
+from swarmrun.node.net.swarm import verify_signature
+from swarmrun.node.net.records import owner_subkey
+from swarmrun.node.net.records import read_latest
 
 logger = logging.getLogger("swarmrun.access")
 
-REVOCATION_TTL = 365 * 24 * 3600.0
 CERT_HEADER = "swarmrun-invite-v1"
 
 
@@ -96,7 +96,7 @@ class AccessGate:
 
     async def refresh(self, dht: DHT) -> None:
         """Read the owner's newest revocation list from the DHT (a forged or older one is ignored)."""
-        found = await _get(dht, revocation_key(self.spec.run_id))
+        found = await read_latest(dht, revocation_key(self.spec.run_id))
         item = found.value.get(owner_subkey(self.spec.owner_key)) if found is not None and isinstance(found.value, dict) \
             else None
         if item is None:
@@ -111,21 +111,7 @@ class AccessGate:
             self.revocations = revocations
 
 
-async def _get(dht: DHT, key: str):
-    from .trainer import _await
-
-    return await _await(dht.get(key, latest=True, return_future=True))
 
 
-def owner_subkey(owner_key: bytes) -> bytes:
-    """The DHT subkey only the run's owner can write (hivemind's signed records; see swarm.record_validator)."""
-    return b"[owner:" + owner_key + b"]"
 
 
-async def publish_revocations(dht: DHT, revocations: Revocations, owner_key: bytes) -> None:
-    from .trainer import _await
-
-    ok = await _await(dht.store(revocation_key(revocations.run_id), revocations.encode(), subkey=owner_subkey(owner_key),
-                                expiration_time=get_dht_time() + REVOCATION_TTL, return_future=True))
-    if not ok:
-        raise AccessRefused("the swarm did not accept the revocation list")

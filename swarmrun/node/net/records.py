@@ -1,0 +1,184 @@
+"""Every read and write of a run's DHT records (the keys are in ``protocol``): progress reports, providers, the spec,
+the owner's records (revocations, pause), the amendment history, pause notes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Optional, Sequence
+
+from hivemind import DHT
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+
+from swarmrun.node.net.swarm import public_key_bytes, subkey_owner, verify_signature
+from swarmrun.node.runtime import await_future
+from swarmrun.protocol.access import Revocations, revocation_key
+from swarmrun.protocol.codec import unpack
+from swarmrun.protocol.errors import AccessRefused, IncompatibleState, ProtocolError, RunNotFound
+from swarmrun.protocol.round import ProgressReport, SwarmView, progress_key, spec_key
+from swarmrun.protocol.spec import SignedSpec
+from swarmrun.protocol.transfer import ProviderRecord, providers_key
+from swarmrun.node.net.swarm import record_validator
+
+logger = logging.getLogger("swarmrun.records")
+
+
+async def read_subkeys(dht: DHT, key: str, decode, *, signed: bool = False) -> dict:
+    """The decoded values of a DHT key's subkeys, by peer id (malformed ones are ignored). ``signed``: only records
+    signed by the peer their subkey names (progress reports, votes)."""
+    found = await await_future(dht.get(key, latest=True, return_future=True))
+    out = {}
+    if found is not None and isinstance(found.value, dict):
+        for subkey, item in found.value.items():
+            owner = subkey_owner(subkey)
+            if owner is None and not signed and isinstance(subkey, str):
+                owner = subkey
+            if owner is None:
+                continue
+            try:
+                out[owner] = decode(item.value)
+            except (ProtocolError, AttributeError, TypeError):
+                continue
+    return out
+
+
+async def read_view(dht: DHT, run_id: str, gate=None) -> SwarmView:
+    """The live progress reports of a run, by peer id: signed by that peer and, in an invite-only run, carrying a
+    certificate the gate admits (a report from anyone else is not part of the run). ``gate``: the peer's
+    ``AccessGate`` (``spec`` and ``check(peer_id, certificate)``), None to read every signed report."""
+    reports = await read_subkeys(dht, progress_key(run_id), ProgressReport.decode, signed=True)
+    if gate is not None and gate.spec.access != "open":
+        reports = {p: r for p, r in reports.items() if gate.check(p, r.certificate) is None}
+    return SwarmView(reports=reports)
+
+
+async def read_providers(dht: DHT, run_id: str) -> dict[str, ProviderRecord]:
+    """The live provider records of a run, by peer id: only records signed by the peer they name (hivemind's
+    validator checked the signature; ``subkey_owner`` that the key is that peer's identity); malformed ones
+    are ignored."""
+    found = await await_future(dht.get(providers_key(run_id), latest=True, return_future=True))
+    out = {}
+    if found is not None and isinstance(found.value, dict):
+        for subkey, item in found.value.items():
+            owner = subkey_owner(subkey)
+            if owner is None:
+                continue
+            try:
+                out[owner] = ProviderRecord.decode(item.value)
+            except (ProtocolError, AttributeError, TypeError):
+                continue
+    return out
+
+
+SPEC_TTL = 120.0
+
+
+async def fetch_spec(dht: DHT, run_id: str, *, timeout: float) -> Optional[SignedSpec]:
+    """The run's signed spec from the DHT, verified; None if no peer has it within ``timeout``.
+
+    Raises:
+        IncompatibleState: a spec was found but does not verify or is malformed.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        found = await await_future(dht.get(spec_key(run_id), latest=True, return_future=True))
+        if found is not None:
+            try:
+                signed = SignedSpec.decode(found.value)
+            except ProtocolError as e:
+                raise IncompatibleState(f"the spec of run {run_id!r} in the swarm is malformed: {e}") from None
+            signed.verify(verify_signature)
+            if signed.spec.run_id != run_id:
+                raise IncompatibleState(f"the spec stored for {run_id!r} names run {signed.spec.run_id!r}")
+            return signed
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(0.5)
+
+
+async def publish_spec_forever(dht: DHT, signed: SignedSpec) -> None:
+    """Every peer of a run keeps its signed spec in the DHT, so the run outlives its creator."""
+    while True:
+        try:
+            await await_future(dht.store(spec_key(signed.spec.run_id), signed.encode(), expiration_time=get_dht_time() + SPEC_TTL,
+                            return_future=True))
+        except Exception as e:
+            logger.debug(f"could not publish spec: {e!r}")
+        await asyncio.sleep(SPEC_TTL / 4)
+
+
+@asynccontextmanager
+async def owner_session(run_id: str, initial_peers: Sequence[str], key: RSAPrivateKey, *, action: str,
+                        listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)):
+    """A short-lived DHT node for one of the run owner's commands (revoke, pause); yields ``(dht, signed_spec)``.
+
+    A full node, not a client: what it stores must outlive it, and the peers that read it may leave right after.
+
+    Raises:
+        RunNotFound: no peer reachable, or no such run there. AccessRefused: ``key`` is not the run's owner.
+    """
+    try:
+        dht = await asyncio.to_thread(DHT, initial_peers=list(initial_peers), start=True, client_mode=False,
+                                      host_maddrs=list(listen), startup_timeout=15.0,
+                                      record_validators=[record_validator(key)])
+    except Exception as e:
+        raise RunNotFound(f"could not reach any of the peers {', '.join(initial_peers)}: {e}") from None
+    try:
+        signed = await fetch_spec(dht, run_id, timeout=8.0)
+        if signed is None:
+            raise RunNotFound(f"run {run_id!r} was not found at the given peers")
+        if signed.spec.owner_key != public_key_bytes(key):
+            raise AccessRefused(f"only the owner of run {run_id!r} may {action}; the key in this --state-dir is not it")
+        yield dht, signed
+    finally:
+        await asyncio.to_thread(dht.shutdown)
+
+
+REVOCATION_TTL = 365 * 24 * 3600.0
+
+
+async def read_latest(dht: DHT, key: str):
+    from swarmrun.node.runtime import await_future
+
+    return await await_future(dht.get(key, latest=True, return_future=True))
+
+
+def owner_subkey(owner_key: bytes) -> bytes:
+    """The DHT subkey only the run's owner can write (hivemind's signed records; see swarm.record_validator)."""
+    return b"[owner:" + owner_key + b"]"
+
+
+async def publish_revocations(dht: DHT, revocations: Revocations, owner_key: bytes) -> None:
+    from swarmrun.node.runtime import await_future
+
+    ok = await await_future(dht.store(revocation_key(revocations.run_id), revocations.encode(), subkey=owner_subkey(owner_key),
+                                expiration_time=get_dht_time() + REVOCATION_TTL, return_future=True))
+    if not ok:
+        raise AccessRefused("the swarm did not accept the revocation list")
+
+
+HISTORY_TTL = 120.0
+
+
+NOTE_TTL = 300.0
+
+
+async def read_history(dht, key: str):
+    from swarmrun.node.runtime import await_future
+
+    found = await await_future(dht.get(key, latest=True, return_future=True))
+    if found is None:
+        return None
+    value = unpack(found.value, max_size=1 << 20)
+    if not isinstance(value, list) or not all(isinstance(v, bytes) for v in value):
+        raise ValueError("malformed history record")
+    return tuple(value)
+
+
+async def store_record(dht, key: str, value: bytes, ttl: float, subkey: Optional[str] = None) -> None:
+    from swarmrun.node.runtime import await_future
+
+    await await_future(dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True))

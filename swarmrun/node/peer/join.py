@@ -1,0 +1,232 @@
+"""`node join`: create or join a run, bootstrap its state, train, leave cleanly.
+
+Also the library entry point for an existing script: ``swarmrun.node.run_peer(...)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Mapping, Optional
+
+from hivemind import DHT
+
+from swarmrun.node.net.records import fetch_spec, publish_spec_forever, read_providers, read_view
+from swarmrun.node.net.swarm import SwarmConfig, ensure_identity, public_key_bytes, start_dht
+from swarmrun.node.runtime import kill_descendants
+from swarmrun.node.output import Events, set_log_context
+from swarmrun.node.peer.access import AccessGate, read_certificate_file
+from swarmrun.node.peer.build import DEFAULT_SEED, build_task_for, initial_state, make_spec, resolve_device
+from swarmrun.protocol.spec import check_run_id
+from swarmrun.node.peer.snapshots import SnapshotSide, SnapshotWriter, apply_resume, plan_resume
+from swarmrun.node.peer.trainer import Trainer, TrainerConfig
+from swarmrun.node.tasks.base import Task, load_task_class
+from swarmrun.protocol.access import MAX_TTL, Certificate
+from swarmrun.protocol.errors import RunNotFound, TaskError, UsageError
+from swarmrun.protocol.spec import SignedSpec
+
+if TYPE_CHECKING:
+    from swarmrun.node.peer.snapshots import ResumePlan, SnapshotOptions
+
+logger = logging.getLogger("swarmrun.join")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinOptions:
+    run_id: str
+    task: Optional[str] = None  # create a new run of this task
+    sets: Mapping[str, str] = field(default_factory=dict)
+    seed: int = DEFAULT_SEED
+    swarm: SwarmConfig
+    trainer: TrainerConfig = TrainerConfig()
+    resolve_timeout: float = 8.0  # how long to look for an existing run's spec
+    resume_from: Optional[str] = None  # STORE[@STEP]: restart the run from a snapshot
+    snapshot: Optional["SnapshotOptions"] = None  # --snapshot-to STORE ...
+    access: str = "open"  # a new run's access policy: open or invite
+    invite: Optional[str] = None  # a file with this peer's certificate (`node invite` output)
+
+
+async def run_peer(opts: JoinOptions, events: Events) -> str:
+    """Create or join the run, then train until it finishes, ``max_steps`` is reached or a signal arrives.
+
+    Returns:
+        why the peer left ("finished", "max_steps", "stopped").
+    Raises:
+        SwarmrunError: with the exit code of the failure.
+    """
+    _check_options(opts)
+    credentials = read_certificate_file(opts.invite) if opts.invite else None
+    plan = None
+    if opts.resume_from is not None:  # the snapshot is loaded and verified before the swarm starts: a bad one fails fast
+        plan = await asyncio.to_thread(plan_resume, opts.resume_from, run_id=opts.run_id, sets=dict(opts.sets),
+                                       key=ensure_identity(opts.swarm.state_dir)[1])
+    task_cls = None
+    if opts.task is not None:
+        try:
+            task_cls = load_task_class(opts.task)
+        except TaskError as e:
+            raise UsageError(str(e)) from None
+    device = resolve_device(opts.trainer.device)
+    dht, key = await asyncio.to_thread(start_dht, opts.swarm)
+    trainer: Optional[Trainer] = None
+    spec_task = None
+    try:
+        peer_id = dht.peer_id.to_base58()
+        set_log_context(run_id=opts.run_id, peer_id=peer_id)
+        signed, task = await _resolve_spec(opts, dht, key, plan, task_cls)
+        spec = signed.spec
+        spec_task = asyncio.create_task(publish_spec_forever(dht, signed))
+        state = initial_state(spec, task, device)
+        expected_cursor = state.cursor  # counts this machine's data: what a received state's cursor must count
+        if plan is not None:
+            apply_resume(state, plan)
+        gate = await _admit_self(spec, dht, key, peer_id, credentials)
+        trainer = Trainer(spec=spec, task=task, dht=dht, state=state, events=events, identity=key, gate=gate,
+                          config=replace(opts.trainer, device=device))
+        events.emit("listening", run_id=spec.run_id, peer_id=peer_id,
+                    maddrs=[str(m) for m in dht.get_visible_maddrs()], spec_hash=spec.spec_hash(),
+                    task=spec.task, created=opts.task is not None)
+        side = _snapshot_side(opts, trainer, signed, plan, events)
+        await _bootstrap(opts, trainer, plan, events)
+        # a state from a snapshot or from the swarm must count this machine's data (size, fingerprint, seed)
+        trainer.state.cursor.check_same_data(expected_cursor)
+        _install_signal_handlers(trainer)
+        side.start()
+        reason = await trainer.run()
+        await side.close(reason)
+        events.emit("left", reason=reason, step=trainer.state.step, state_hash=trainer.state_hash,
+                    cursor=trainer.state.cursor.summary(), **trainer.stats)
+        return reason
+    finally:
+        if spec_task is not None:
+            spec_task.cancel()
+        if trainer is not None:
+            await trainer.stop_serving()
+            await asyncio.to_thread(trainer.shutdown)
+        await asyncio.to_thread(dht.shutdown)
+
+
+def _check_options(opts: JoinOptions) -> None:
+    """Refuse a contradictory or incomplete set of options before anything starts (exit 2)."""
+    check_run_id(opts.run_id)
+    creating, resuming = opts.task is not None, opts.resume_from is not None
+    if creating and resuming:
+        raise UsageError("--task creates a new run and --resume-from restarts one from a snapshot: give one of them")
+    if not creating and not resuming and not opts.swarm.initial_peers:
+        raise UsageError("give --task NAME to create a new run, --resume-from STORE to restart one from a snapshot, "
+                         "or --peers MADDR (or SWARMRUN_PEERS) to join one")
+    if opts.access not in ("open", "invite"):
+        raise UsageError(f"--access must be open or invite, got {opts.access!r}")
+    if opts.access != "open" and not creating:
+        raise UsageError("--access applies to a new run (with --task); a run keeps the policy it was created with")
+    if opts.sets and not creating and not resuming:
+        raise UsageError("--set applies to a new run (with --task); an existing run keeps its spec")
+    if opts.snapshot is not None:
+        opts.snapshot.policy()  # a bad --snapshot-every or --snapshot-keep fails before anything starts
+
+
+async def _resolve_spec(opts: JoinOptions, dht: DHT, key, plan: Optional["ResumePlan"],
+                        task_cls: Optional[type[Task]]) -> tuple[SignedSpec, Task]:
+    """The run's signed spec and its task: a new one (``--task``), the snapshot's (``--resume-from``), or the
+    swarm's (``--peers``).
+
+    Raises:
+        UsageError: a new or resumed run that is live at the given peers. RunNotFound: no such run there.
+    """
+    if opts.task is not None or plan is not None:
+        if opts.swarm.initial_peers and await fetch_spec(dht, opts.run_id, timeout=2.0) is not None:
+            if opts.task is not None:
+                raise UsageError(f"run {opts.run_id!r} already exists at the given peers: join it without --task")
+            raise UsageError(f"run {opts.run_id!r} is live at the given peers: join it with --peers, "
+                             f"without --resume-from")
+        if plan is not None:
+            return plan.signed, build_task_for(plan.signed.spec)
+        spec, task = make_spec(run_id=opts.run_id, task_cls=task_cls, sets=opts.sets, seed=opts.seed,
+                               owner_key=public_key_bytes(key), access=opts.access)
+        return SignedSpec.sign(spec, key.sign), task
+    signed = await fetch_spec(dht, opts.run_id, timeout=opts.resolve_timeout)
+    if signed is None:
+        raise RunNotFound(f"run {opts.run_id!r} was not found at the given peers")
+    return signed, build_task_for(signed.spec)
+
+
+async def _admit_self(spec, dht: DHT, key, peer_id: str, credentials: Optional[bytes]) -> AccessGate:
+    """The peer's access gate; in an invite-only run, its own admission is checked first (exit 4 with the reason)."""
+    gate = AccessGate(spec, credentials=credentials)
+    if spec.access != "open":
+        if spec.owner_key == public_key_bytes(key) and credentials is None:
+            # the owner admits itself: it signs its own certificate
+            gate.credentials = Certificate.issue(run_id=spec.run_id, peer_id=peer_id, now=time.time(), ttl=MAX_TTL,
+                                                 signer=key.sign).encode()
+        await gate.refresh(dht)
+        gate.check_self(peer_id)
+    return gate
+
+
+def _snapshot_side(opts: JoinOptions, trainer: Trainer, signed: SignedSpec, plan, events: Events) -> SnapshotSide:
+    history = plan.history if plan is not None else ()
+    writer = None
+    if opts.snapshot is not None:
+        writer = SnapshotWriter(trainer, options=opts.snapshot, signed=signed, history=history, events=events)
+    return SnapshotSide(trainer=trainer, signed=signed, history=history, events=events, writer=writer,
+                        started_step=trainer.state.step,
+                        fallback_store=str(opts.swarm.state_dir / "snapshots" / signed.spec.run_id))
+
+
+async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) -> None:
+    """A resumed peer says where it resumed from; a joiner catches up with the swarm's newest state."""
+    state = trainer.state
+    if plan is not None:
+        events.emit("resumed", step=state.step, state_hash=trainer.state_hash, where=plan.snapshot.where,
+                    manifest_hash=plan.snapshot.frozen.manifest.manifest_hash(),
+                    cursor=state.cursor.summary(), amended=plan.changes)
+    if opts.task is not None or plan is not None:
+        return
+    view = await read_view(trainer.dht, trainer.spec.run_id)
+    if view.reports or await read_providers(trainer.dht, trainer.spec.run_id):
+        t0 = time.perf_counter()
+        how = await trainer.catch_up(deadline=time.monotonic() + opts.trainer.state_timeout)
+        events.emit("bootstrapped", step=state.step, state_hash=trainer.state_hash,
+                    seconds=round(time.perf_counter() - t0, 3), **how)
+
+
+LEAVE_GRACE = 30.0  # seconds a peer asked to leave may take before it is made to
+
+
+def _install_signal_handlers(trainer: Trainer) -> None:
+    """SIGINT/SIGTERM: leave gracefully (finish or abandon the round, last report, shutdown). A second signal, or a
+    leave that takes longer than ``LEAVE_GRACE`` (a hivemind child killed by a signal to the whole group can
+    leave a call hanging), ends the process and its children at once; the run's committed state lives on with
+    the other peers and in snapshots."""
+    loop = asyncio.get_running_loop()
+    signals = {"count": 0}
+
+    # a Python-level handler, not loop.add_signal_handler: it runs even when the loop is blocked (a hivemind child
+    # killed by a signal to the whole group can die holding the averaged tensors' lock)
+    def on_signal(signum, frame) -> None:
+        signals["count"] += 1
+        if signals["count"] > 1:
+            _leave_now("a second signal")
+        threading.Thread(target=_watchdog, daemon=True, name="leave-watchdog").start()
+        loop.call_soon_threadsafe(trainer.stop_requested.set)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+
+def _watchdog() -> None:
+    time.sleep(LEAVE_GRACE)
+    _leave_now(f"a leave that took over {LEAVE_GRACE:.0f}s")
+
+
+def _leave_now(why: str) -> None:
+    logger.warning(f"leaving at once after {why}")
+    try:
+        kill_descendants(timeout=2.0)
+    finally:
+        os._exit(0)

@@ -1,0 +1,86 @@
+"""This peer's word in the DHT and its view of the others': progress reports and provider records, published every
+``report_interval``, and the swarm's live reports read back (the view every decision of the trainer reads)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Optional
+
+from hivemind import DHT
+from hivemind.utils.timed_storage import get_dht_time
+
+from swarmrun.node.net.records import read_view
+from swarmrun.node.runtime import await_future
+from swarmrun.protocol.round import ProgressReport, Role, SwarmView, progress_key
+from swarmrun.protocol.spec import Spec
+from swarmrun.protocol.transfer import ProviderRecord, providers_key
+
+logger = logging.getLogger("swarmrun.trainer")
+REVOCATIONS_EVERY = 5.0  # seconds between two reads of the owner's revocations (invite-only runs)
+
+
+class Reporter:
+    """Publishes what ``report()`` and ``provider_record()`` say, keeps ``view`` fresh, and calls ``on_tick`` after
+    each round of both (the trainer's `progress` event).
+
+    Args:
+        subkey: this peer's signed subkey (its records carry its identity's signature).
+        config: the trainer's config (``report_interval``, ``report_ttl``, ``role``).
+    """
+
+    def __init__(self, *, dht: DHT, spec: Spec, gate, config, peer_id: str, subkey: bytes,
+                 report: Callable[[], ProgressReport], provider_record: Callable[[], Optional[ProviderRecord]],
+                 on_tick: Callable[[], None]):
+        self.dht, self.spec, self.gate, self.config, self.peer_id, self.subkey = dht, spec, gate, config, peer_id, subkey
+        self.report, self.provider_record, self.on_tick = report, provider_record, on_tick
+        self.view = SwarmView(reports={})
+        self._seen: dict[str, float] = {}  # trainer -> when this peer last saw it live
+
+    async def publish(self) -> None:
+        """Announce the served state and this peer's progress (a failed store is retried next interval)."""
+        expiration = get_dht_time() + self.config.report_ttl
+        record = self.provider_record()
+        if record is not None:
+            try:
+                await await_future(self.dht.store(providers_key(self.spec.run_id), subkey=self.subkey,
+                                                  value=record.encode(), expiration_time=expiration, return_future=True))
+            except Exception as e:
+                logger.debug(f"could not announce the served state: {e!r}")
+        try:
+            await await_future(self.dht.store(progress_key(self.spec.run_id), subkey=self.subkey,
+                                              value=self.report().encode(), expiration_time=expiration,
+                                              return_future=True))
+        except Exception as e:
+            logger.debug(f"could not publish progress: {e!r}")
+
+    async def refresh(self) -> None:
+        """Read the live reports (this peer's own from memory: the DHT's copy lags)."""
+        view = await read_view(self.dht, self.spec.run_id, self.gate)
+        self.view = SwarmView(reports={**view.reports, self.peer_id: self.report()})
+        self.recently_live()
+
+    def recently_live(self) -> int:
+        """Trainers seen live within the report TTL (a high-water mark: a view that is still forming, at a start or
+        under load, must not make a minority look like a majority)."""
+        now = time.monotonic()
+        for peer in self.view.trainers:
+            self._seen[peer] = now
+        self._seen = {p: t for p, t in self._seen.items() if now - t <= self.config.report_ttl}
+        return len(self._seen | {self.peer_id: now})
+
+    async def forever(self) -> None:
+        last_revocations = 0.0
+        while True:
+            await self.publish()
+            try:
+                await self.refresh()
+                if self.spec.access != "open" and time.monotonic() - last_revocations > REVOCATIONS_EVERY:
+                    await self.gate.refresh(self.dht)  # the owner's revocations
+                    last_revocations = time.monotonic()
+            except Exception as e:
+                logger.debug(f"could not read progress: {e!r}")
+            if self.config.role == Role.TRAINER:
+                self.on_tick()
+            await asyncio.sleep(self.config.report_interval)

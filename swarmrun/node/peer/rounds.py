@@ -1,0 +1,137 @@
+"""One round: an attempt at a collective step on hivemind's averager (``averaging.RoundAverager``), then the commit
+vote in the DHT. The round decides (``decide_claims``, ``decide_commit``, pure functions in ``protocol.round``);
+applying a committed step is the trainer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from hivemind import DHT
+from hivemind.utils.timed_storage import get_dht_time
+
+from swarmrun.node.net.records import read_subkeys
+from swarmrun.node.peer.averaging import RoundAverager, RoundOutcome
+from swarmrun.node.runtime import await_future
+from swarmrun.node.state.run import digest_tensors
+from swarmrun.protocol.cursor import DataCursor
+from swarmrun.protocol.errors import Stopped
+from swarmrun.protocol.round import ClaimDecision, Role, RoundMeta, Vote, decide_claims, decide_commit, vote_key
+from swarmrun.protocol.spec import Spec
+
+VOTE_TTL = 120.0  # seconds a vote stays in the DHT (a round's members read it within vote_timeout)
+VOTE_POLL = 0.05
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What a round came to: the decision (``Commit`` or ``Abandon``), the claims, and who took part."""
+
+    decision: object
+    claims: ClaimDecision
+    outcome: RoundOutcome
+    seconds: float
+
+
+def make_averager(params: Sequence[torch.Tensor], dht: DHT, *, spec: Spec, gate, config) -> RoundAverager:
+    """The run's averager: one buffer per parameter, on the CPU; matchmaking under the run's prefix."""
+    averaged = [torch.zeros_like(p, device="cpu") for p in params]
+    return RoundAverager(
+        averaged,
+        dht,
+        spec_hash=spec.spec_hash(),
+        gate=gate,
+        prefix=f"swarmrun_{spec.run_id}",
+        start=True,
+        min_matchmaking_time=config.matchmaking_time,
+        # hivemind: a request_timeout not below min_matchmaking_time can deadlock matchmaking
+        request_timeout=min(config.request_timeout, 0.5 * config.matchmaking_time),
+        allreduce_timeout=config.allreduce_timeout,
+        next_chunk_timeout=config.next_chunk_timeout,
+        target_group_size=None,
+        min_group_size=2,
+        auxiliary=config.role == Role.KEEPER,
+        allow_state_sharing=False,  # state travels through swarmrun's own transfer (net/serve.py, net/fetch.py)
+        shutdown_timeout=3.0,
+    )
+
+
+class RoundRunner:
+    """Runs rounds for one peer.
+
+    Args:
+        subkey: this peer's signed subkey (its vote carries its signature).
+        live: how many trainers this peer saw live lately (the commit rule's majority is of those).
+        stop_requested: a stop abandons the round in flight at once (nothing is applied).
+    """
+
+    def __init__(self, *, averager: RoundAverager, dht: DHT, spec: Spec, gate, config, subkey: bytes,
+                 live: Callable[[], int], stop_requested: asyncio.Event):
+        self.averager, self.dht, self.spec, self.gate, self.config = averager, dht, spec, gate, config
+        self.subkey, self.live, self.stop_requested = subkey, live, stop_requested
+
+    def load(self, grads: Sequence[torch.Tensor | None], samples: int) -> None:
+        """Put this peer's mean gradient (the per-sample sum / samples) in the averager's buffers."""
+        with self.averager.get_tensors() as buffers:
+            for buf, g in zip(buffers, grads):
+                if g is None:
+                    buf.zero_()
+                else:
+                    buf.copy_(g.detach().float().cpu() / max(1, samples))
+
+    async def attempt(self, meta: RoundMeta, *, cursor: DataCursor, target: int) -> RoundResult:
+        """Average the loaded gradient with a group, then vote.
+
+        Raises:
+            Stopped: a stop came first. Exception: no group formed, or the averager failed (the round is abandoned).
+        """
+        self.averager.prepare_round(meta.step, cursor, self.gate.revocations)
+        t0 = time.perf_counter()
+        control = self.averager.step(gather=meta.encode(), weight=float(max(meta.samples, 1)),
+                                     timeout=self.config.averaging_timeout, allow_retries=True, wait=False)
+        outcome: RoundOutcome = await self._unless_stopped(await_future(control, self.config.averaging_timeout + 5))
+        decision, claims = await self._vote(outcome, step=meta.step, cursor=cursor, target=target)
+        return RoundResult(decision, claims, outcome, time.perf_counter() - t0)
+
+    async def _unless_stopped(self, awaitable):
+        """Await, unless a stop is requested first (a leave must not wait out a round's timeout)."""
+        task = asyncio.ensure_future(awaitable)
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        try:
+            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not task.done():
+            task.cancel()
+            raise Stopped()
+        return task.result()
+
+    async def _vote(self, outcome: RoundOutcome, *, step: int, cursor: DataCursor, target: int):
+        claims = decide_claims(outcome.metas, cursor)
+        with self.averager.get_tensors() as buffers:
+            finite = all(bool(torch.isfinite(b).all()) for b in buffers)
+            grad_hash = digest_tensors(buffers)
+        ok = outcome.complete and finite
+        reason = outcome.reason if not outcome.complete else ("" if finite else "averaged gradient is not finite")
+        live = max(self.live(), len(outcome.peer_ids))
+        mine = Vote(step=step, group_id=outcome.group_id.hex(), grad_hash=grad_hash, ok=ok, reason=reason, live=live)
+        key = vote_key(self.spec.run_id, step)
+        await await_future(self.dht.store(key, subkey=self.subkey, value=mine.encode(),
+                                          expiration_time=get_dht_time() + VOTE_TTL, return_future=True))
+        deadline = time.monotonic() + self.config.vote_timeout
+        while True:
+            # a vote of an earlier attempt at this step (another group) is not a vote in this round
+            votes = {p: v for p, v in (await read_subkeys(self.dht, key, Vote.decode, signed=True)).items()
+                     if v.group_id == mine.group_id}
+            if not ok or all(p in votes for p in outcome.peer_ids) or time.monotonic() > deadline:
+                break
+            if any(not v.ok for v in votes.values()):
+                break
+            await asyncio.sleep(VOTE_POLL)
+        decision = decide_commit(mine=mine, votes=votes, group=outcome.peer_ids, live_trainers=live,
+                                 samples=claims.samples, target_batch_size=target)
+        return decision, claims
