@@ -443,7 +443,7 @@ class Registry:
     def workers(self) -> list[dict[str, Any]]:
         """Every worker's row with ``run_id``: the run it is assigned to, or None."""
         with self._read() as s:
-            assigned = dict(s.execute(select(_Assignment.worker_id, _Assignment.run_id)).tuples())
+            assigned = {w: r for w, r in s.execute(select(_Assignment.worker_id, _Assignment.run_id))}
             return [
                 {**_row(w), "run_id": assigned.get(w.worker_id)}
                 for w in s.scalars(select(_Worker).order_by(_Worker.worker_id))
