@@ -31,7 +31,7 @@ _START_TIMEOUT = 60  # seconds for pg_ctl -w; a cold initdb'd cluster starts in 
 class FakeClock:
     """An injected clock: time moves only when a test moves it."""
 
-    def __init__(self, now: float = 1_000_000.0) -> None:
+    def __init__(self, now: float = 1_700_000_000.5) -> None:  # a real epoch with a fraction: a 32-bit float column would lose it
         self.now = now
 
     def __call__(self) -> float:
