@@ -28,7 +28,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from swarmrun.coordinator import schema
-from swarmrun.coordinator.registry import RUN_STATES, Conflict, Registry, User, WorkerNotFound
+from swarmrun.coordinator.registry import RUN_STATES, Registry, User
+from swarmrun.protocol.errors import Conflict, WorkerNotFound
 from swarmrun.protocol.errors import AccessRefused, RunNotFound, SwarmrunError, UsageError
 
 __all__ = ["MAX_BODY_BYTES", "make_app"]

@@ -39,7 +39,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from swarmrun.coordinator.schema import Heartbeat, Progress, Registration, Submission, check_name
-from swarmrun.protocol.errors import RunNotFound, SwarmrunError, UsageError
+from swarmrun.protocol.errors import Conflict, RunNotFound, UsageError, WorkerNotFound
 
 __all__ = [
     "RUN_STATES",
@@ -62,17 +62,6 @@ _USER_ACTIONS = {
     "release": (("held",), "pending"),
     "cancel": (("pending", "running", "paused", "held"), "cancelled"),
 }
-
-
-class Conflict(UsageError):
-    """The request clashes with the registry's state: a run id taken, a worker already assigned,
-    an action the run's state does not allow. (To join ``protocol/errors.py`` on merge.)"""
-
-
-class WorkerNotFound(SwarmrunError):
-    """No worker with this id is registered (an agent answers by registering again)."""
-
-    exit_code = 3
 
 
 class _Base(DeclarativeBase):

@@ -69,6 +69,17 @@ class RemoteProtocolError(ProtocolError):
     """Bytes received from a peer were malformed, oversized or invalid."""
 
 
+class Conflict(UsageError):
+    """A request clashes with the pool registry's state: a run id taken, a worker already assigned, an action the
+    run's state does not allow."""
+
+
+class WorkerNotFound(SwarmrunError):
+    """No pool worker with this id is registered (an agent answers by registering again)."""
+
+    exit_code = 3
+
+
 class TaskError(ValueError):
     """A task cannot be built from the given arguments (bad value, missing corpus, ...). Raised by task code;
     the peer turns it into a ``UsageError`` (a new run) or an ``IncompatibleState`` (a run's spec)."""

@@ -13,7 +13,8 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import IntegrityError
 
-from swarmrun.coordinator.registry import Conflict, Registry, User, WorkerNotFound, default_url, token_hash
+from swarmrun.coordinator.registry import Registry, User, default_url, token_hash
+from swarmrun.protocol.errors import Conflict, WorkerNotFound
 from swarmrun.coordinator.schema import Heartbeat, Progress, Registration, Resources, Submission
 from swarmrun.protocol.errors import RunNotFound
 
