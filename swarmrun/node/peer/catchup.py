@@ -169,7 +169,7 @@ class CatchUp:
 
     def _trusted_hashes(self) -> dict[int, str]:
         steps = {r.step for p, r in self.reporter.view.trainers.items() if p != self.peer_id}
-        return {step: h for step in steps if (h := preferred_hash(self.view, step=step, me=self.peer_id))}
+        return {step: h for step in steps if (h := preferred_hash(self.reporter.view, step=step, me=self.peer_id))}
 
 
 def manifest_differences(a: Manifest, b: Manifest) -> list[str]:
