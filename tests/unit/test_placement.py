@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarmrun.coordinator.matching import b_matching, matched_counts
 from swarmrun.coordinator.placement import (
     Assign, Assignment, Needs, Pause, Policy, PoolRun, Release, Resume, RunState, Worker, apply, plan,
 )
@@ -437,3 +438,18 @@ def test_no_run_starves_when_capacity_is_enough_for_it(pool, data):
     for r in runs:
         if r.state in (PENDING, PAUSED):
             assert sum(fits_ref(r, w) for w in ok) < r.min_peers, r
+
+
+@FAST
+@given(st.lists(st.integers(1, 3), min_size=1, max_size=4), st.integers(1, 7), st.data())
+def test_b_matching_meets_every_demand_exactly_when_some_matching_does(demands, n_workers, data):
+    """The admission oracle against the brute force: workers 'fit' a run when drawn into its candidates."""
+    names = [f"w{i}" for i in range(n_workers)]
+    cands = {f"r{i}": data.draw(st.lists(st.sampled_from(names), unique=True)) for i in range(len(demands))}
+    match = b_matching({f"r{i}": d for i, d in enumerate(demands)}, cands)
+    got = matched_counts(match)
+    assert all(w in cands[r] for w, r in match.items()) and all(got.get(f"r{i}", 0) <= d for i, d in enumerate(demands))
+    fake_runs = [run(f"r{i}", lo=d, hi=d, device=f"d{i}") for i, d in enumerate(demands)]
+    fake_workers = [Worker(worker_id=n, devices={f"d{i}": 0 for i in range(len(demands)) if n in cands[f"r{i}"]},
+                           last_seen=0.0) for n in names]
+    assert all(got.get(f"r{i}", 0) == d for i, d in enumerate(demands)) == can_hold_minimums(fake_runs, fake_workers)
