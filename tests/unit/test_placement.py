@@ -440,6 +440,11 @@ def test_no_run_starves_when_capacity_is_enough_for_it(pool, data):
             assert sum(fits_ref(r, w) for w in ok) < r.min_peers, r
 
 
+def test_b_matching_reroutes_a_greedy_first_choice():
+    """r0 prefers w0, the only worker r1 can use: r0 must move to w1."""
+    assert b_matching({"r0": 1, "r1": 1}, {"r0": ["w0", "w1"], "r1": ["w0"]}) == {"w0": "r1", "w1": "r0"}
+
+
 @FAST
 @given(st.lists(st.integers(1, 3), min_size=1, max_size=4), st.integers(1, 7), st.data())
 def test_b_matching_meets_every_demand_exactly_when_some_matching_does(demands, n_workers, data):
