@@ -14,8 +14,8 @@ injected (``now``) so that every rule is tested without I/O or waiting. The rule
 - preemption takes workers from the lowest-priority, most-over-share runs first; a run pushed below
   its ``min_peers`` is paused (to a snapshot: the coordinator's keeper holds its state), never killed;
 - no thrashing: an assignment younger than ``Policy.min_residence_s`` is not taken for preemption or
-  rebalancing, and a worker moves between two runs of a class only when the move makes their shares
-  fairer and the gap between them exceeds ``Policy.hysteresis``. A returning resident or a dead
+  rebalancing, and a lent worker moves between two runs of a class only when the move makes their
+  shares fairer and the gap between them exceeds ``Policy.hysteresis``. A returning resident or a dead
   worker frees its machine at once, whatever its age.
 
 Decisions where the issue is silent are written where they are made (``_admission_order``,
@@ -329,24 +329,26 @@ def _rebalance(p: _Pass, admitted: Sequence[PoolRun]) -> None:
 def _rebalance_move(p: _Pass, admitted: Sequence[PoolRun]) -> Optional[tuple[str, PoolRun]]:
     """A worker to move to the most under-share run that a move makes fairer (``_fairer``), or None.
 
-    A giver never goes below its minimum, and young assignments stay. Workers placed earlier in this
-    pass move first: they have not been lent yet, so moving them costs nothing.
+    A giver never goes below its minimum, and young assignments stay. A worker placed earlier in this
+    pass has not been lent yet: it moves first, and the hysteresis does not hold it back, since
+    moving it costs nothing.
     """
     by_need = sorted(admitted, key=lambda r: (p.ratio(r), r.submitted_at, r.run_id))
     for x in by_need:
         if p.count(x.run_id) >= x.max_peers:
             continue
         for y in reversed(by_need):
-            if y is x or p.count(y.run_id) <= y.min_peers or not _fairer(p, x, y):
+            if y is x or p.count(y.run_id) <= y.min_peers or not _fairer(p, x, y, 0.0):
                 continue
-            movable = [w for w in p.members[y.run_id] if not p.locked(w) and fits(x, p.workers[w])]
+            movable = [w for w in p.members[y.run_id] if not p.locked(w) and fits(x, p.workers[w])
+                       and (w not in p.since or _fairer(p, x, y, p.policy.hysteresis))]
             if movable:
                 return min(movable, key=lambda w: (w in p.since, _capability(p.workers[w]), w)), x
     return None
 
 
-def _fairer(p: _Pass, x: PoolRun, y: PoolRun) -> bool:
-    """Whether one worker from ``y`` to ``x`` is worth it: fairer, and their gap is over the hysteresis.
+def _fairer(p: _Pass, x: PoolRun, y: PoolRun, hysteresis: float) -> bool:
+    """Whether one worker from ``y`` to ``x`` is worth it: fairer, and their gap is over ``hysteresis``.
 
     Fairer is max-min (leximin) on workers per unit share: the pair's sorted values rise, so every
     move raises the class's sorted vector and rebalancing ends. The hysteresis keeps a small gap, one
@@ -355,7 +357,7 @@ def _fairer(p: _Pass, x: PoolRun, y: PoolRun) -> bool:
     """
     cx, cy, sx, sy = p.count(x.run_id), p.count(y.run_id), Fraction(x.share), Fraction(y.share)
     before, after = sorted([cx / sx, cy / sy]), sorted([(cx + 1) / sx, (cy - 1) / sy])
-    return after > before and cy / sy - cx / sx > Fraction(p.policy.hysteresis)
+    return after > before and cy / sy - cx / sx > Fraction(hysteresis)
 
 
 def _pass_actions(p: _Pass, runs: Sequence[PoolRun], assignments: Sequence[Assignment]) -> list[Action]:

@@ -132,6 +132,11 @@ def test_weighted_max_min_share_inside_a_class():
     _, runs, asg = step(0.0, runs, workers, [])
     assert {r: len(ws) for r, ws in holding(asg).items()} == {"a": 2, "b": 3, "c": 1}
 
+    # max-min is lexicographic: with the lowest share fixed at 1 (run b), the next lowest is raised too
+    runs = [run("a", share=0.5, hi=1), run("b", share=2.0, hi=3), run("c", share=1.0, hi=2)]
+    _, runs, asg = step(0.0, runs, workers[:5], [])
+    assert {r: len(ws) for r, ws in holding(asg).items()} == {"a": 1, "b": 2, "c": 2}
+
 
 def test_a_run_starts_only_when_it_can_hold_its_minimum():
     workers = [worker(f"w{i}") for i in range(3)]
