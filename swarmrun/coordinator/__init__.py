@@ -1,6 +1,6 @@
-"""The coordinator: an optional service that pools a lab's machines across runs with priorities and preemption.
+"""The pool service: a coordinator that lends a lab's idle workstations to many runs, by priority.
 
-Not built yet (it has its own issue). Its seam: it will talk to peers only through ``swarmrun.node``'s public
-API and the DHT records defined in ``swarmrun.protocol`` (run progress, provider announcements), and its
-decisions (placement, preemption) will be pure functions of ``(now, state, config)``.
+Placement and preemption are pure functions of ``(now, runs, workers, assignments, policy)``
+(``placement.plan``) over the records of ``pool``; the I/O around them (registry, HTTP API, agents)
+only carries out and records their actions.
 """
