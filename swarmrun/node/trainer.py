@@ -39,6 +39,7 @@ from ..protocol.round import (
     vote_key,
 )
 from ..protocol.manifest import DEFAULT_CHUNK_SIZE
+from ..protocol.records import averager_prefix
 from ..protocol.spec import Spec
 from ..protocol.transfer import ProviderRecord, providers_key
 from .averaging import RoundAverager, RoundOutcome
@@ -122,7 +123,7 @@ class Trainer(CatchUp):
             dht,
             spec_hash=spec.spec_hash(),
             gate=self.gate,
-            prefix=f"swarmrun_{spec.run_id}",
+            prefix=averager_prefix(spec.run_id),
             start=True,
             min_matchmaking_time=config.matchmaking_time,
             # hivemind: a request_timeout not below min_matchmaking_time can deadlock matchmaking
