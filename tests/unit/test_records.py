@@ -244,6 +244,7 @@ def test_signatures_are_checked_and_stripped_before_the_schema():
     other = RSAPrivateKey()  # a stranger signs under its own key but this peer's name
     forged = msgpack.packb(peer_id_of(public_key_bytes(key)).encode() + RSASignatureValidator(other).local_public_key)
     stranger = _record("vote", sk=forged)
-    stranger = dataclasses.replace(stranger, value=CompositeValidator([RSASignatureValidator(other)]).sign_value(stranger))
+    stranger_signs = CompositeValidator([RSASignatureValidator(other)])
+    stranger = dataclasses.replace(stranger, value=stranger_signs.sign_value(stranger))
     assert not composite.validate(stranger)
     assert not composite.validate(_record("vote", sk=PLAIN_SUBKEY))

@@ -40,7 +40,8 @@ def _pack(obj) -> bytes:
 
 def _mutate(data: bytes, where: int, byte: int, cut: int) -> bytes:
     i = where % (len(data) + 1)
-    return [data[:i] + bytes([byte]) + data[i + 1:], data[:i], data + data[:cut], data[:i] + bytes([byte]) + data[i:]][cut % 4]
+    b = bytes([byte])
+    return [data[:i] + b + data[i + 1:], data[:i], data + data[:cut], data[:i] + b + data[i:]][cut % 4]
 
 
 stored_values = st.one_of(
