@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         if opts.mode != "raw":  # a fresh model from another seed: loading must replace every bit of it
             state = build_state(hidden=opts.hidden, layers=opts.layers, seed=opts.seed, run_base=opts.run_base,
                                 stepped=False)
-        dht, _ = make_dht(opts.host, opts.initial_peers, Path(opts.state_dir))
+        dht, _ = make_dht(opts.host, opts.initial_peers, Path(opts.state_dir), [run_id_for(opts.run_base, opts.k)])
         if opts.mode == "swarmrun":
             out = run_loop(opts.loop, take_swarmrun(opts, dht, state))
         elif opts.mode == "hivemind":

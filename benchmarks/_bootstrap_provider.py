@@ -118,7 +118,8 @@ def main(argv=None) -> int:
         state = build_state(hidden=opts.hidden, layers=opts.layers, seed=opts.seed, run_base=opts.run_base,
                             stepped=True)
         frozen = state.freeze(chunk_size=opts.chunk_size)
-        dht, key = make_dht(opts.host, opts.initial_peers, Path(opts.state_dir))
+        dht, key = make_dht(opts.host, opts.initial_peers, Path(opts.state_dir),
+                            [run_id_for(opts.run_base, k) for k in PROVIDER_COUNTS if k > opts.index])
         donors = []
 
         def donate() -> None:

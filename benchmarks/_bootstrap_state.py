@@ -17,7 +17,7 @@ from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 
 from swarmrun.node import RunState
-from swarmrun.node import ensure_identity, record_validator
+from swarmrun.node import ensure_identity, run_validators
 from swarmrun.protocol.cursor import DataCursor
 
 RAW_PROTOCOL = "/swarmrun-bench/raw/1"  # the ceiling: raw hivemind P2P binary streams, 1 MiB writes
@@ -53,12 +53,14 @@ def hivemind_prefix(run_base: str) -> str:
     return f"{run_base}_hm".replace("-", "_")
 
 
-def make_dht(host: str, initial_peers: Sequence[str], state_dir: Path) -> tuple[DHT, Any]:
-    """This peer's DHT (and p2pd) as swarmrun's ``start_dht`` makes it: its identity file in ``state_dir`` and
-    the signed-record validator with that key (provider records are signed). Returns the DHT and the key."""
+def make_dht(host: str, initial_peers: Sequence[str], state_dir: Path,
+             run_ids: Sequence[str] = ()) -> tuple[DHT, Any]:
+    """This peer's DHT (and p2pd) as swarmrun's ``start_dht`` makes it: its identity file in ``state_dir``, the
+    signed-record validator with that key (provider records are signed) and the run-record validator for
+    ``run_ids``. Returns the DHT and the key."""
     identity_path, key = ensure_identity(state_dir)
     dht = DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=list(initial_peers) or None,
-              identity_path=identity_path, client_mode=False, record_validators=[record_validator(key)],
+              identity_path=identity_path, client_mode=False, record_validators=run_validators(key, run_ids),
               wait_timeout=DHT_WAIT_TIMEOUT)
     return dht, key
 

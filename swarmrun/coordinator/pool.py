@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence, Union
 
-from ..protocol.errors import UsageError
+from swarmrun.protocol.errors import UsageError
 
 
 class RunState(str, enum.Enum):

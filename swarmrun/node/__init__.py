@@ -25,7 +25,7 @@ _EXPORTS = {
     "run_peer": "peer.join",
     # the swarm and its records
     "SwarmConfig": "net.swarm", "start_dht": "net.swarm", "ensure_identity": "net.swarm",
-    "public_key_bytes": "net.swarm", "record_validator": "net.swarm", "signed_subkey": "net.swarm",
+    "public_key_bytes": "net.swarm", "record_validator": "net.swarm", "run_validators": "net.swarm", "signed_subkey": "net.swarm",
     "kill_descendants": "runtime", "read_view": "net.records", "read_providers": "net.records",
     "fetch_spec": "net.records", "owner_session": "net.records",
     # state transfer

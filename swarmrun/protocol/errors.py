@@ -98,6 +98,13 @@ class Reject(enum.Enum):
     NOT_ADMITTED = "not_admitted"
     BUSY = "busy"
     UNKNOWN_STATE = "unknown_state"
+    # a DHT record under a run's key that breaks the run's schema table (``protocol.records``)
+    PLAIN_VALUE = "plain_value"  # a plain value where the schema says subkeys
+    UNEXPECTED_SUBKEY = "unexpected_subkey"  # a subkey where the schema says a plain value
+    UNSIGNED = "unsigned"  # a subkey that is not signed (or not by whom it must be) where the schema says signed
+    EXPIRATION = "expiration"  # an expiration that is not finite or lies further ahead than the key's TTL
+    TOO_LARGE = "too_large"  # a value or subkey over the key's size bound
+    WRONG_RUN = "wrong_run"  # a record that names another run than its key
 
 
 @dataclass(frozen=True)

@@ -23,15 +23,23 @@ MAX_REPORT_BYTES = 16 * 1024
 MAX_LEASE_RANGES = 256
 SUMMARY_KEYS = frozenset({"blocks_applied", "blocks_pending", "blocks_skipped", "blocks_duplicated", "data_epoch"})
 
-# DHT keys of a run (each value under a subkey signed by its writer's key: hivemind's RSASignatureValidator)
+#: a run's votes live in this many keys, a ring indexed by step: a finite set of keys is what lets a validator
+#: recognise every one of them from its hashed DHT key (``protocol.records``); a key per step could be filled with
+#: a stranger's plain values ahead of the swarm. A slot is reused after VOTE_SLOTS steps; its subkeys are
+#: overwritten by their own writers, and readers keep only votes of their round's group.
+VOTE_SLOTS = 256
+
+
+# DHT keys of a run: every one is in the schema table ``protocol.records.RUN_KEYS``
 def progress_key(run_id: str) -> str:
     """Subkey per peer: its ``ProgressReport``."""
     return f"swarmrun.{run_id}.progress"
 
 
 def vote_key(run_id: str, step: int) -> str:
-    """Subkey per peer: its ``Vote`` for the round that would make ``step`` -> ``step + 1``."""
-    return f"swarmrun.{run_id}.vote.{step}"
+    """Subkey per peer: its ``Vote`` for the round that would make ``step`` -> ``step + 1`` (slot ``step`` mod
+    ``VOTE_SLOTS``: the vote carries its step and group, and a reader keeps only its own round's)."""
+    return f"swarmrun.{run_id}.vote.{step % VOTE_SLOTS}"
 
 
 def spec_key(run_id: str) -> str:

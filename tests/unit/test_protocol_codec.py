@@ -31,7 +31,9 @@ def test_exit_codes():
 
 def test_rejection_str():
     assert str(Rejection(reason=Reject.WRONG_STEP, detail="at 4, asked 7")) == "wrong_step: at 4, asked 7"
-    assert {r.name for r in Reject} == {"MALFORMED", "WRONG_SPEC", "WRONG_STEP", "NOT_ADMITTED", "BUSY", "UNKNOWN_STATE"}
+    assert {r.name for r in Reject} == {"MALFORMED", "WRONG_SPEC", "WRONG_STEP", "NOT_ADMITTED", "BUSY", "UNKNOWN_STATE",
+                                        "PLAIN_VALUE", "UNEXPECTED_SUBKEY", "UNSIGNED", "EXPIRATION", "TOO_LARGE",
+                                        "WRONG_RUN"}
 
 
 @FAST

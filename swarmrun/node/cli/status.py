@@ -21,11 +21,11 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
     from hivemind.utils.timed_storage import get_dht_time
 
     from swarmrun.node.net.records import fetch_spec, read_providers, read_view
-    from swarmrun.node.net.swarm import record_validator
+    from swarmrun.node.net.swarm import run_validators
 
     try:
         dht = await asyncio.to_thread(DHT, initial_peers=list(initial_peers), start=True, client_mode=True,
-                                      record_validators=[record_validator()],
+                                      record_validators=run_validators(None, [run_id]),
                                       startup_timeout=timeout)
     except Exception as e:
         raise RunNotFound(f"could not reach any of the peers {', '.join(initial_peers)}: {e}") from None

@@ -13,7 +13,7 @@ from hivemind import DHT
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarmrun.node.net.swarm import public_key_bytes, subkey_owner, verify_signature
+from swarmrun.node.net.swarm import public_key_bytes, run_validators, subkey_owner, verify_signature
 from swarmrun.node.runtime import await_future
 from swarmrun.protocol.access import Revocations, revocation_key
 from swarmrun.protocol.codec import unpack
@@ -123,7 +123,7 @@ async def owner_session(run_id: str, initial_peers: Sequence[str], key: RSAPriva
     try:
         dht = await asyncio.to_thread(DHT, initial_peers=list(initial_peers), start=True, client_mode=False,
                                       host_maddrs=list(listen), startup_timeout=15.0,
-                                      record_validators=[record_validator(key)])
+                                      record_validators=run_validators(key, [run_id]))
     except Exception as e:
         raise RunNotFound(f"could not reach any of the peers {', '.join(initial_peers)}: {e}") from None
     try:

@@ -24,6 +24,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.multiaddr import Multiaddr
 
+from swarmrun.node.net.validator import RunRecordValidator
 from swarmrun.node.output import quiet_hivemind
 from swarmrun.protocol.errors import RunNotFound, SwarmrunError, UsageError
 
@@ -98,6 +99,13 @@ def record_validator(key: Optional[RSAPrivateKey] = None) -> RSASignatureValidat
     return RSASignatureValidator(key) if key is not None else RSASignatureValidator()
 
 
+def run_validators(key: Optional[RSAPrivateKey], run_ids: Sequence[str] = ()) -> list:
+    """The validators of every DHT of swarmrun: hivemind's signed-record validator with this peer's key, and the
+    run-record validator (``net.validator``) for the runs this process uses, which relies on the first to
+    verify signatures. A run learned later: ``net.validator.watch_runs``."""
+    return [record_validator(key), RunRecordValidator(run_ids, identify=peer_id_of)]
+
+
 def peer_id_of(public_key: bytes) -> str:
     """The libp2p peer id (base58) of an RSA public key in OpenSSH form (hivemind's serialization)."""
     der = serialization.load_ssh_public_key(public_key).public_bytes(
@@ -147,8 +155,8 @@ def sweep_stale_sockets(tmp: str = "/tmp") -> int:
     return removed
 
 
-def start_dht(config: SwarmConfig) -> tuple[DHT, RSAPrivateKey]:
-    """Start this peer's DHT (and its p2pd) with its identity.
+def start_dht(config: SwarmConfig, *, run_ids: Sequence[str] = ()) -> tuple[DHT, RSAPrivateKey]:
+    """Start this peer's DHT (and its p2pd) with its identity, validating the records of ``run_ids``.
 
     Raises:
         UsageError: a busy port, an identity in use by another live peer.
@@ -163,7 +171,7 @@ def start_dht(config: SwarmConfig) -> tuple[DHT, RSAPrivateKey]:
         identity_path=identity_path,
         client_mode=False,
         startup_timeout=config.bootstrap_timeout,
-        record_validators=[record_validator(key)],
+        record_validators=run_validators(key, run_ids),
     )
     if config.announce:
         kwargs["announce_maddrs"] = list(config.announce)

@@ -29,6 +29,7 @@ from swarmrun.protocol.codec import unpack
 from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.errors import ProtocolError
 from swarmrun.node import faults
+from swarmrun.protocol.records import group_bits
 from swarmrun.protocol.round import ClaimDecision, RoundMeta, check_round_meta, decide_claims
 
 logger = get_logger(__name__)
@@ -197,9 +198,10 @@ class RoundAverager(DecentralizedAverager):
             from swarmrun.protocol.access import Revocations
 
             self.gate.revocations = Revocations.decode(revocations)  # verified by the host process
-        # peers at different steps must never meet: the group key carries the step (as its group bits; the key's
-        # prefix must stay, hivemind derives the state-download key from it)
-        self._matchmaking.group_key_manager.group_bits = format(step, "040b")
+        # peers at different steps rarely meet: the group key carries the step mod 256 as its group bits (a finite
+        # set of keys, each in the run's schema table: protocol.records); admission refuses one at another step.
+        # The key's prefix must stay, hivemind derives the state-download key from it
+        self._matchmaking.group_key_manager.group_bits = group_bits(step)
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext

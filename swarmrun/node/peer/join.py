@@ -72,7 +72,7 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
         except TaskError as e:
             raise UsageError(str(e)) from None
     device = resolve_device(opts.trainer.device)
-    dht, key = await asyncio.to_thread(start_dht, opts.swarm)
+    dht, key = await asyncio.to_thread(start_dht, opts.swarm, run_ids=(opts.run_id,))
     trainer: Optional[Trainer] = None
     spec_task = None
     try:

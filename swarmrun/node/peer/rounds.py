@@ -20,6 +20,7 @@ from swarmrun.node.runtime import await_future
 from swarmrun.node.state.run import digest_tensors
 from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.errors import Stopped
+from swarmrun.protocol.records import averager_prefix
 from swarmrun.protocol.round import ClaimDecision, Role, RoundMeta, Vote, decide_claims, decide_commit, vote_key
 from swarmrun.protocol.spec import Spec
 
@@ -45,7 +46,7 @@ def make_averager(params: Sequence[torch.Tensor], dht: DHT, *, spec: Spec, gate,
         dht,
         spec_hash=spec.spec_hash(),
         gate=gate,
-        prefix=f"swarmrun_{spec.run_id}",
+        prefix=averager_prefix(spec.run_id),
         start=True,
         min_matchmaking_time=config.matchmaking_time,
         # hivemind: a request_timeout not below min_matchmaking_time can deadlock matchmaking
