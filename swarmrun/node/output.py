@@ -83,6 +83,9 @@ class Events:
             from rich.console import Console
 
             self.console = Console(file=self.stream, highlight=False)
+            if not self.console.is_terminal:  # piped: one record a line, never wrapped at 80 columns
+                self.console = Console(file=self.stream, highlight=False, soft_wrap=True, width=10_000)
+            self.errors = Console(stderr=True, highlight=False, soft_wrap=True)
 
     def emit(self, event: str, **fields: Any) -> None:
         if self.json_mode:
@@ -90,12 +93,13 @@ class Events:
             self.stream.flush()
             return
         if event == "progress":
-            self._progress_line(fields)
+            if self.console.is_terminal:  # piped, the step lines say it (one a step, not one a report)
+                self._progress_line(fields)
         elif event == "transfer_progress":
             self._transfer_line(fields)
         else:
             self._stop_live()
-            self.console.print(_human(event, fields))
+            (self.errors if event == "error" else self.console).print(_human(event, fields))
 
     def _progress_line(self, f: dict) -> None:
         from rich.text import Text
@@ -110,9 +114,6 @@ class Events:
             ("  peers ", "dim"), (str(f.get("peers", 1)), ""),
             ("  ETA ", "dim"), (eta_s, ""),
         )
-        if not self.console.is_terminal:
-            self.console.print(text)
-            return
         if self._live is None:
             from rich.live import Live
 
@@ -157,8 +158,16 @@ def _human(event: str, f: dict) -> str:
         return f"[bold]run {f.get('run_id')}[/bold]: peer {f.get('peer_id')} listening; others join with --peers and one of:\n{lines}"
     if event == "error":
         return f"[red]error[/red]: {f.get('message')}"
+    if event == "identity":  # what an invitee sends the owner: the peer id, alone on its line first
+        return f"{f.get('peer_id')}\n  (peer id of the identity in {f.get('state_dir')}" + \
+            (f"; file {f['file']})" if f.get("file") else ")")
     if event == "eval":
         return f"step {f.get('step')}: eval loss {f.get('loss'):.4f}"
+    if event == "step":
+        loss = f.get("loss")
+        return (f"step {f.get('step')}/{f.get('total_steps')}  loss {'-' if loss is None else f'{loss:.4f}'}  "
+                f"samples {f.get('samples')}  peers {f.get('peers')}  round {f.get('round_s', 0):.2f}s  "
+                f"state {str(f.get('state_hash', ''))[:12]}")
     # a step's block ranges are for machines (--json): the cursor's counts tell a person enough
     details = " ".join(f"{k}={v}" for k, v in f.items() if k not in ("run_id", "peer_id", "blocks"))
     return f"{event}: {details}"

@@ -43,10 +43,15 @@ def test_bad_input_is_a_usage_error(tmp_path, args, code, words):
     assert "Traceback" not in result.stderr
 
 
-def test_busy_port_is_a_usage_error(tmp_path):
+@pytest.mark.parametrize("reuseport", [False, True])
+def test_busy_port_is_a_usage_error(tmp_path, reuseport):
+    """``reuseport``: the port is held the way another peer's p2pd holds it (SO_REUSEPORT, which let a second peer
+    share it silently)."""
     import socket
 
     with socket.socket() as busy:
+        if reuseport:
+            busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]

@@ -107,8 +107,13 @@ def test_invite_only_run_refuses_strangers_and_a_hostile_client(tmp_path):
         assert late.returncode == 4 and "expired" in _last(late)["message"]
         # a certificate signed by someone who is not the owner
         p1_id = _peer_id(tmp_path / "p1")
-        assert run_cli("invite", RUN, "--peer", p1_id, "--state-dir", str(tmp_path / "stranger"),
-                       "--out", str(tmp_path / "forged.invite")).returncode == 0
+        refused = run_cli("invite", RUN, "--peer", p1_id, "--state-dir", str(tmp_path / "stranger"),
+                          "--out", str(tmp_path / "forged.invite"), "--json")
+        assert refused.returncode == 4 and "not the owner" in _last(refused)["message"]  # `node invite` says so
+        # a certificate signed by a stranger's key anyway (not by `node invite`): every peer refuses it
+        stranger_key = ensure_identity(tmp_path / "stranger")[1]
+        forged_cert = Certificate.issue(run_id=RUN, peer_id=p1_id, now=time.time(), ttl=3600, signer=stranger_key.sign)
+        (tmp_path / "forged.invite").write_text(certificate_text(forged_cert) + "\n")
         forged = run_cli("join", RUN, "--peers", swarm.maddr, "--state-dir", str(tmp_path / "p1"),
                          "--invite", str(tmp_path / "forged.invite"), "--json")
         assert forged.returncode == 4 and "not signed by the run's owner" in _last(forged)["message"]

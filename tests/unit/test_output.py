@@ -17,5 +17,18 @@ def test_json_events_carry_a_steps_blocks_and_human_lines_leave_them_out():
     out = io.StringIO()
     Events(json_mode=False, stream=out).emit("step", **STEP)
     line = out.getvalue()
-    assert line.startswith("step: step=3") and "samples=64" in line
-    assert "blocks=" not in line and "[9, 13]" not in line
+    assert line.startswith("step 3/10") and "samples 64" in line
+    assert "blocks" not in line and "[9, 13]" not in line
+
+
+def test_piped_output_is_one_line_a_record_and_errors_go_to_stderr(capsys):
+    """Not a terminal: no 80-column wrap, no progress line a report (the step lines say it), errors on stderr."""
+    out = io.StringIO()
+    events = Events(json_mode=False, stream=out)
+    for _ in range(8):
+        events.emit("progress", step=3, total_steps=10, loss=0.5, samples_per_second=10.0, peers=2, eta_s=5.0)
+    events.emit("snapshot", step=3, where="/a/very/long/path/" + "x" * 120 + "@3", seconds=0.1)
+    events.emit("error", code=2, message="bad flag")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("snapshot:") and "x" * 120 + "@3 " in lines[0]
+    assert "bad flag" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from swarmrun.protocol.access import Certificate, parse_ttl, revoke
-from swarmrun.protocol.errors import UsageError
+from swarmrun.protocol.errors import AccessRefused, UsageError
 
 
 def add_parsers(sub, *, epilog: str, swarm_args) -> None:
@@ -121,6 +121,7 @@ def _invite(args, events) -> int:
         revoked = run_async(_publish_revocation(run_id, args.peer, config.initial_peers, key, undo=args.undo))
         events.emit("revoked", run_id=run_id, revoked=sorted(revoked), undo=args.undo)
         return 0
+    _check_owner(run_id, _state_dir(args), key)
     try:
         ttl = parse_ttl(args.ttl)
         cert = Certificate.issue(run_id=run_id, peer_id=args.peer[0], now=time.time(), ttl=ttl, signer=key.sign)
@@ -143,6 +144,22 @@ def _invite(args, events) -> int:
     else:
         print(text)
     return 0
+
+
+def _check_owner(run_id: str, state_dir: Path, key) -> None:
+    """Refuse to sign an invite no peer would accept: this state dir's key must be the run's owner.
+
+    Raises:
+        AccessRefused: the state dir did not create (or resume) the run, or its spec names another owner.
+    """
+    from swarmrun.node.net.swarm import public_key_bytes
+    from swarmrun.node.state.owned import owned_spec
+
+    signed = owned_spec(state_dir, run_id)
+    if signed is None or signed.spec.owner_key != public_key_bytes(key):
+        raise AccessRefused(f"the key in {state_dir} is not the owner of run {run_id!r} (no run of that id was "
+                            f"created or resumed from this --state-dir); invites must be signed by the owner's key: "
+                            f"run `node invite` with the --state-dir of the peer that created the run")
 
 
 async def _publish_revocation(run_id: str, peers, initial_peers, key, *, undo: bool) -> frozenset[str]:

@@ -6,6 +6,7 @@ and the key that signs what the peer publishes (the spec of a run it creates).
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import os
@@ -155,6 +156,26 @@ def sweep_stale_sockets(tmp: str = "/tmp") -> int:
     return removed
 
 
+def check_ports_free(listen: Sequence[str]) -> None:
+    """p2pd binds with SO_REUSEPORT, so a second peer on a busy ``--listen`` port starts and shares it silently; a
+    plain bind of each fixed TCP port first tells a busy one.
+
+    Raises:
+        UsageError: a fixed port is in use.
+    """
+    for maddr in listen:
+        parts = maddr.strip("/").split("/")
+        if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp" or parts[3] in ("", "0"):
+            continue
+        family = socket.AF_INET if parts[0] == "ip4" else socket.AF_INET6
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((parts[1], int(parts[3])))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise UsageError(f"cannot listen on {maddr}: address already in use (another peer?)") from None
+
+
 def start_dht(config: SwarmConfig, *, run_ids: Sequence[str] = ()) -> tuple[DHT, RSAPrivateKey]:
     """Start this peer's DHT (and its p2pd) with its identity, validating the records of ``run_ids``.
 
@@ -162,6 +183,7 @@ def start_dht(config: SwarmConfig, *, run_ids: Sequence[str] = ()) -> tuple[DHT,
         UsageError: a busy port, an identity in use by another live peer.
         RunNotFound: none of the initial peers could be reached.
     """
+    check_ports_free(config.listen)
     identity_path, key = ensure_identity(config.state_dir)
     sweep_stale_sockets()
     kwargs = dict(

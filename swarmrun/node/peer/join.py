@@ -25,9 +25,10 @@ from swarmrun.node.peer.build import DEFAULT_SEED, build_task_for, initial_state
 from swarmrun.protocol.spec import check_run_id
 from swarmrun.node.peer.snapshots import SnapshotSide, SnapshotWriter, apply_resume, plan_resume
 from swarmrun.node.peer.trainer import Trainer, TrainerConfig
+from swarmrun.node.state.owned import remember_owned
 from swarmrun.node.tasks.base import Task, load_task_class
 from swarmrun.protocol.access import MAX_TTL, Certificate
-from swarmrun.protocol.errors import RunNotFound, TaskError, UsageError
+from swarmrun.protocol.errors import RunNotFound, Stopped, TaskError, UsageError
 from swarmrun.protocol.spec import SignedSpec
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
         SwarmrunError: with the exit code of the failure.
     """
     _check_options(opts)
+    stop = asyncio.Event()
+    _install_signal_handlers(stop)  # at once: a SIGINT to this pid alone must stop a peer that is still starting
     credentials = read_certificate_file(opts.invite) if opts.invite else None
     plan = None
     if opts.resume_from is not None:  # the snapshot is loaded and verified before the swarm starts: a bad one fails fast
@@ -78,8 +81,12 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
     try:
         peer_id = dht.peer_id.to_base58()
         set_log_context(run_id=opts.run_id, peer_id=peer_id)
+        if stop.is_set():
+            return _left_early(events)
         signed, task = await _resolve_spec(opts, dht, key, plan, task_cls)
         spec = signed.spec
+        if spec.owner_key == public_key_bytes(key):
+            remember_owned(opts.swarm.state_dir, signed)  # `node invite` from this state dir can tell it owns the run
         spec_task = asyncio.create_task(publish_spec_forever(dht, signed))
         state = initial_state(spec, task, device)
         expected_cursor = state.cursor  # counts this machine's data: what a received state's cursor must count
@@ -87,15 +94,17 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
             apply_resume(state, plan)
         gate = await _admit_self(spec, dht, key, peer_id, credentials)
         trainer = Trainer(spec=spec, task=task, dht=dht, state=state, events=events, identity=key, gate=gate,
-                          config=replace(opts.trainer, device=device))
+                          config=replace(opts.trainer, device=device), stop_requested=stop)
         events.emit("listening", run_id=spec.run_id, peer_id=peer_id,
                     maddrs=[str(m) for m in dht.get_visible_maddrs()], spec_hash=spec.spec_hash(),
                     task=spec.task, created=opts.task is not None)
         side = _snapshot_side(opts, trainer, signed, plan, events)
-        await _bootstrap(opts, trainer, plan, events)
+        try:
+            await _bootstrap(opts, trainer, plan, events)
+        except Stopped:
+            return _left_early(events)
         # a state from a snapshot or from the swarm must count this machine's data (size, fingerprint, seed)
         trainer.state.cursor.check_same_data(expected_cursor)
-        _install_signal_handlers(trainer)
         side.start()
         reason = await trainer.run()
         await side.close(reason)
@@ -109,6 +118,12 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
             await trainer.stop_serving()
             await asyncio.to_thread(trainer.shutdown)
         await asyncio.to_thread(dht.shutdown)
+
+
+def _left_early(events: Events) -> str:
+    """A signal came while the peer was still starting (or bootstrapping): it leaves before training."""
+    events.emit("left_early", reason="stopped")  # not `left`: there is no state (step, state_hash) to report
+    return "stopped"
 
 
 def _check_options(opts: JoinOptions) -> None:
@@ -198,7 +213,7 @@ async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) 
 LEAVE_GRACE = 30.0  # seconds a peer asked to leave may take before it is made to
 
 
-def _install_signal_handlers(trainer: Trainer) -> None:
+def _install_signal_handlers(stop: asyncio.Event) -> None:
     """SIGINT/SIGTERM: leave gracefully (finish or abandon the round, last report, shutdown). A second signal, or a
     leave that takes longer than ``LEAVE_GRACE`` (a hivemind child killed by a signal to the whole group can
     leave a call hanging), ends the process and its children at once; the run's committed state lives on with
@@ -213,7 +228,7 @@ def _install_signal_handlers(trainer: Trainer) -> None:
         if signals["count"] > 1:
             _leave_now("a second signal")
         threading.Thread(target=_watchdog, daemon=True, name="leave-watchdog").start()
-        loop.call_soon_threadsafe(trainer.stop_requested.set)
+        loop.call_soon_threadsafe(stop.set)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)

@@ -87,7 +87,8 @@ class Trainer:
     """
 
     def __init__(self, *, spec: Spec, task: Task, dht: DHT, state: RunState, events: Events, config: TrainerConfig,
-                 identity: RSAPrivateKey, gate: Optional[AccessGate] = None):
+                 identity: RSAPrivateKey, gate: Optional[AccessGate] = None,
+                 stop_requested: Optional[asyncio.Event] = None):
         self.spec, self.task, self.dht, self.state, self.events, self.config = spec, task, dht, state, events, config
         self.gate = gate if gate is not None else AccessGate(spec)
         self.peer_id = dht.peer_id.to_base58()
@@ -98,7 +99,8 @@ class Trainer:
         self.params = [p for p in state.model.parameters()]
         self.samples = 0  # samples accumulated toward the next step
         self.claimed = RangeSet()  # blocks whose gradients are in the accumulator
-        self.stop_requested = asyncio.Event()
+        # set by a signal (even one that came before the trainer existed), a pause, or the library's caller
+        self.stop_requested = stop_requested if stop_requested is not None else asyncio.Event()
         self.finished = False
         self.snapshots = False  # this peer has a snapshot store (set by its SnapshotSide; reported to the others)
         self.samples_per_second = 0.0
