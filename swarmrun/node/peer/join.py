@@ -64,16 +64,7 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
     stop = asyncio.Event()
     _install_signal_handlers(stop)  # at once: a SIGINT to this pid alone must stop a peer that is still starting
     credentials = read_certificate_file(opts.invite) if opts.invite else None
-    plan = None
-    if opts.resume_from is not None:  # the snapshot is loaded and verified before the swarm starts: a bad one fails fast
-        plan = await asyncio.to_thread(plan_resume, opts.resume_from, run_id=opts.run_id, sets=dict(opts.sets),
-                                       key=ensure_identity(opts.swarm.state_dir)[1])
-    task_cls = None
-    if opts.task is not None:
-        try:
-            task_cls = load_task_class(opts.task)
-        except TaskError as e:
-            raise UsageError(str(e)) from None
+    plan, task_cls = await _local_inputs(opts)
     device = resolve_device(opts.trainer.device)
     dht, key = await asyncio.to_thread(start_dht, opts.swarm, run_ids=(opts.run_id,))
     trainer: Optional[Trainer] = None
@@ -118,6 +109,21 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
             await trainer.stop_serving()
             await asyncio.to_thread(trainer.shutdown)
         await asyncio.to_thread(dht.shutdown)
+
+
+async def _local_inputs(opts: JoinOptions) -> tuple[Optional["ResumePlan"], Optional[type[Task]]]:
+    """What needs no swarm, checked before the swarm starts so a bad one fails fast: the snapshot to resume from
+    (loaded and verified) and the task class of a new run."""
+    plan = task_cls = None
+    if opts.resume_from is not None:
+        plan = await asyncio.to_thread(plan_resume, opts.resume_from, run_id=opts.run_id, sets=dict(opts.sets),
+                                       key=ensure_identity(opts.swarm.state_dir)[1])
+    if opts.task is not None:
+        try:
+            task_cls = load_task_class(opts.task)
+        except TaskError as e:
+            raise UsageError(str(e)) from None
+    return plan, task_cls
 
 
 def _left_early(events: Events) -> str:
