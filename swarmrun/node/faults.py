@@ -6,6 +6,8 @@
   its first part was reduced) of the first round it takes part in at a step >= N;
 - ``delay@serve:ms=N``: a provider waits N ms before each chunk of a state it serves (a slow provider; step
   records, the small objects of catch-up, are not delayed);
+- ``hold@serve:steps=N``: a provider holds back the last chunk of a state until it has itself stepped N times past
+  that state (bounded by the chunk timeout): the swarm moves on while the state travels, by construction;
 - ``corrupt@serve:step=N``: a provider flips a byte of every chunk it serves of an object at a step >= N (a
   lying provider).
 
@@ -20,7 +22,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 ENV = "SWARMRUN_FAULTS"
-_KINDS = {("kill", "allreduce", "step"), ("delay", "serve", "ms"), ("corrupt", "serve", "step")}
+_KINDS = {("kill", "allreduce", "step"), ("delay", "serve", "ms"), ("corrupt", "serve", "step"),
+          ("hold", "serve", "steps")}
 
 
 @dataclass(frozen=True)
@@ -70,3 +73,8 @@ def delay_seconds(point: str) -> float:
 def corrupts(point: str, step: int) -> bool:
     """Whether this peer is planned to corrupt what it sends at this point for an object of ``step``."""
     return any(f.point == point and f.kind == "corrupt" and step >= f.value for f in _planned())
+
+
+def hold_steps(point: str) -> int:
+    """Steps a provider is planned to wait for before it sends the last chunk of a state (0 when none)."""
+    return max((f.value for f in _planned() if f.point == point and f.kind == "hold"), default=0)

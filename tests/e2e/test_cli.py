@@ -6,7 +6,7 @@ import pytest
 
 from tests.swarm_helpers import Swarm, run_cli
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]  # real peers: more than the default 60 s
 
 
 def last_event(result):

@@ -12,7 +12,7 @@ from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.spec import SignedSpec
 from tests.swarm_helpers import run_cli
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]  # real peers: more than the default 60 s
 
 
 def test_resume_refuses_a_snapshot_whose_cursor_counts_other_data(tmp_path):

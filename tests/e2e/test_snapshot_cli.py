@@ -17,7 +17,7 @@ from swarmrun.protocol.snapshot import Amendment
 from swarmrun.protocol.spec import SignedSpec
 from tests.swarm_helpers import run_cli
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]  # real peers: more than the default 60 s
 
 
 class Recorder:

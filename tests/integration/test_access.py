@@ -21,7 +21,7 @@ from swarmrun.protocol.round import ProgressReport, Role, RoundMeta, progress_ke
 from swarmrun.protocol.transfer import choose_state
 from tests.swarm_helpers import Swarm, run_cli
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # real peers: more than the default 60 s
 RUN = "guarded"
 
 

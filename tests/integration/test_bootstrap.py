@@ -6,7 +6,7 @@ import pytest
 
 from tests.swarm_helpers import Swarm
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # real peers: more than the default 60 s
 
 LONG_RUN = ("--set", "total_steps=100000", "--set", "hidden=256", "--matchmaking-time", "1.0")
 
@@ -54,7 +54,9 @@ def test_joiner_bootstraps_from_several_providers_despite_a_liar(tmp_path):
 
 
 def test_swarm_faster_than_the_transfer_still_admits_the_joiner(tmp_path):
-    slow = {"SWARMRUN_FAULTS": "delay@serve:ms=100"}  # every state chunk waits 100 ms: seconds for the state
+    # the providers hold back a state's last chunk until they stepped twice past it: the swarm is faster than the
+    # transfer by construction (a test that hoped for it once failed when the transfer won the race)
+    slow = {"SWARMRUN_FAULTS": "hold@serve:steps=2"}
     with Swarm(tmp_path, "fast") as swarm:
         swarm.create("p0", "--task", "synthetic", *LONG_RUN, "--set", "chunk_size=512", "--min-peers", "2", env=slow)
         swarm.join("p1", "--matchmaking-time", "1.0", env=slow)

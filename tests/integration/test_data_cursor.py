@@ -9,7 +9,7 @@ import pytest
 
 from tests.swarm_helpers import Swarm, run_cli
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # real peers: more than the default 60 s
 
 NUM_EXAMPLES, BLOCK_SIZE = 128, 8  # 16 blocks; a step needs 40 samples (5 blocks): data epoch 0 closes by step 4
 NUM_BLOCKS = NUM_EXAMPLES // BLOCK_SIZE

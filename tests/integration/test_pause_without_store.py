@@ -14,7 +14,7 @@ from swarmrun.node.state.store import SnapshotStore
 from swarmrun.node.net.swarm import IDENTITY_FILE, ensure_identity
 from tests.swarm_helpers import Swarm, run_cli
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # real peers: more than the default 60 s
 
 
 def peer_id(state_dir) -> str:

@@ -10,7 +10,7 @@ from swarmrun.node.peer.averaging import RoundAverager
 from swarmrun.protocol.cursor import DataCursor, RangeSet
 from swarmrun.protocol.round import RoundMeta, claim_samples
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # real peers: more than the default 60 s
 SPEC_HASH = "cd" * 32
 
 

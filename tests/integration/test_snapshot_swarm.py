@@ -9,7 +9,7 @@ import pytest
 from swarmrun.node.state.store import SnapshotStore
 from tests.swarm_helpers import Swarm, run_cli
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # real peers: more than the default 60 s
 
 
 def test_owner_pauses_two_peers_and_the_run_resumes_elsewhere(tmp_path):

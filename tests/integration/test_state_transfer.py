@@ -14,6 +14,8 @@ from swarmrun.node.net.fetch import Fetcher, FetchFailed
 from swarmrun.node.net.serve import StateServer, admit_open
 from swarmrun.protocol.manifest import build_manifest
 
+pytestmark = pytest.mark.timeout(300)  # real peers: more than the default 60 s
+
 SPEC = "a" * 64
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from tests.swarm_helpers import Swarm
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # real peers: more than the default 60 s
 
 
 def hashes_by_step(swarm, names):

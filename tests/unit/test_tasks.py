@@ -72,7 +72,7 @@ def test_synthetic_evaluates_on_held_out_examples():
     assert torch.equal(train_x, SyntheticTask({"eval_examples": 3}, 7).get_batch(range(a.num_examples()))[0])
     assert a.data_fingerprint() == SyntheticTask({}, 7).data_fingerprint()
     model = a.build_model()
-    assert a.evaluate(model, torch.device("cpu")) == pytest.approx(float(a.loss(model, (x, y))))
+    assert a.evaluate(model, torch.device("cpu")) == pytest.approx(float(a.loss(model, (x, y)).detach()))
     with pytest.raises(TaskError):
         SyntheticTask({"eval_examples": 0}, 7)
 

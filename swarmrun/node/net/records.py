@@ -21,7 +21,6 @@ from swarmrun.protocol.errors import AccessRefused, IncompatibleState, ProtocolE
 from swarmrun.protocol.round import ProgressReport, SwarmView, progress_key, spec_key
 from swarmrun.protocol.spec import SignedSpec
 from swarmrun.protocol.transfer import ProviderRecord, providers_key
-from swarmrun.node.net.swarm import record_validator
 
 logger = logging.getLogger("swarmrun.records")
 

@@ -68,6 +68,14 @@ class StateServer:
         self.bytes_served = 0
         self._refused_logged: set[str] = set()
 
+    async def _hold(self, frozen, steps: int) -> None:
+        """The ``hold@serve`` fault: wait until this provider serves a state ``steps`` steps newer."""
+        deadline = time.monotonic() + self.chunk_timeout / 2
+        while time.monotonic() < deadline and frozen.manifest.content.get("kind") != "step_record":
+            if self.current is not None and self.current.frozen.step >= frozen.step + steps:
+                return
+            await asyncio.sleep(0.05)
+
     async def start(self) -> None:
         quiet_dropped_streams(asyncio.get_running_loop())
         await self.p2p.add_binary_stream_handler(protocol_name(self.run_id), self._handle)
@@ -157,6 +165,8 @@ class StateServer:
                 data = frozen.chunk(message.index)
                 if faults.delay_seconds("serve") and frozen.manifest.content.get("kind") != "step_record":
                     await asyncio.sleep(faults.delay_seconds("serve"))
+                if message.index == len(frozen.manifest.chunks) - 1 and faults.hold_steps("serve"):
+                    await self._hold(frozen, faults.hold_steps("serve"))
                 if faults.corrupts("serve", frozen.step):
                     data = memoryview(bytes(data[:-1]) + bytes([data[-1] ^ 0xFF])) if data.nbytes else data
                 await write_message(writer, Chunk(index=message.index, size=data.nbytes).encode(), data)

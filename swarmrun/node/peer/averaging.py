@@ -158,6 +158,8 @@ class RoundAverager(DecentralizedAverager):
       group), decides claims and weights, runs ``ExactAllReduceRunner`` and returns a ``RoundOutcome``
       instead of raising on a partial all-reduce (a retry would run on half-averaged tensors).
     - ``_run_allreduce_inplace_``: copies the averaged parts into the tensors.
+    - ``__del__``: hivemind's reads ``_parent_pid``, which its ``__init__`` sets late; an averager whose
+      construction failed earlier (a refused argument) printed an AttributeError at garbage collection.
     """
 
     def __init__(
@@ -176,6 +178,10 @@ class RoundAverager(DecentralizedAverager):
         self._round_step: Optional[int] = None
         self._round_cursor: Optional[DataCursor] = None
         super().__init__(averaged_tensors, dht, **kwargs)
+
+    def __del__(self):
+        if "_parent_pid" in self.__dict__:
+            super().__del__()
 
     # ---- runs in the averager process ---------------------------------------------------------------
     def prepare_round(self, step: int, cursor: DataCursor, revocations=None) -> None:
