@@ -1,16 +1,18 @@
 """``char-lm``: a small GPT-style byte-level language model.
 
-The corpus is a byte string: by default the running Python's standard-library sources, or the files
-of a directory given with ``--set corpus=DIR``. It is cut into non-overlapping windows of
+The corpus is a byte string: by default swarmrun's own Python sources (the same bytes on every machine that
+installs the same swarmrun version, whatever its Python), ``--set corpus=stdlib`` for the running Python's
+standard-library sources, or the files of a directory given with ``--set corpus=DIR``. It is cut into non-overlapping windows of
 ``seq_len + 1`` bytes; example ``i`` is window ``i`` (the input is its first ``seq_len`` bytes, the
 target the same bytes shifted by one). The model is a pre-LayerNorm transformer with causal
 self-attention (``F.scaled_dot_product_attention``), learned positional embeddings and an untied
 output head (untied so that every parameter has one name in the state).
 
 Notes:
-- The default corpus depends on the Python version (its stdlib sources differ between releases), and
-  so does the data fingerprint: peers on different Python versions refuse each other's spec. A
-  swarm of mixed Pythons should pass the same ``corpus=DIR`` to every peer.
+- ``corpus=stdlib`` depends on the Python version (its stdlib sources differ between releases), and so does
+  the data fingerprint: peers on different Python versions refuse each other's spec. The default depends on
+  the swarmrun version only (version 1 of this task used the stdlib by default: a mixed swarm of a CPU image
+  on Python 3.11 and a CUDA image on 3.10 refused each other).
 - The fingerprint covers the corpus bytes, not its path: the same files in another directory match.
 - The evaluation batch (64 windows spread evenly over the corpus) is part of the training set; it
   measures fit, not generalization.
@@ -66,6 +68,13 @@ def stdlib_corpus(max_bytes: int) -> bytes:
         base = Path(dirpath).relative_to(root)
         rel_paths += [(base / f).as_posix() for f in filenames if f.endswith(".py")]
     rel_paths.sort()
+    return _read_capped(root, rel_paths, max_bytes)
+
+
+def package_corpus(max_bytes: int) -> bytes:
+    """The default corpus: swarmrun's own ``*.py`` files in sorted path order (fixed by the installed version)."""
+    root = Path(__file__).resolve().parents[2]  # the swarmrun package
+    rel_paths = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py") if "__pycache__" not in p.parts)
     return _read_capped(root, rel_paths, max_bytes)
 
 
@@ -174,7 +183,7 @@ class CharGPT(torch.nn.Module):
 class CharLMTask(Task):
     """Byte-level language modelling with a small causal transformer.
 
-    Task arguments: ``corpus`` ("" for the stdlib sources, or a directory), ``max_bytes``
+    Task arguments: ``corpus`` ("" for swarmrun's own sources, "stdlib", or a directory), ``max_bytes``
     (4_000_000, the cap on the corpus), ``seq_len`` (64), ``d_model`` (128), ``n_layer`` (2),
     ``n_head`` (4), ``dropout`` (0.0). The corpus is read and hashed once, in ``__init__``.
 
@@ -183,7 +192,7 @@ class CharLMTask(Task):
     """
 
     name = "char-lm"
-    version = "1"
+    version = "2"  # 2: the default corpus is swarmrun's own sources (1: the running Python's stdlib)
     arg_defaults = {
         "corpus": "",
         "max_bytes": 4_000_000,
@@ -215,7 +224,8 @@ class CharLMTask(Task):
             raise TaskError(f"task {self.name!r}: d_model {a['d_model']} is not a multiple of n_head {a['n_head']}")
         if not 0.0 <= a["dropout"] < 1.0:
             raise TaskError(f"task {self.name!r} argument 'dropout' must be in [0, 1), got {a['dropout']}")
-        corpus = directory_corpus(a["corpus"], a["max_bytes"]) if a["corpus"] else stdlib_corpus(a["max_bytes"])
+        corpus = {"": package_corpus, "stdlib": stdlib_corpus}.get(a["corpus"], None)
+        corpus = corpus(a["max_bytes"]) if corpus is not None else directory_corpus(a["corpus"], a["max_bytes"])
         window = a["seq_len"] + 1
         n = len(corpus) // window
         if n < 1:
