@@ -193,7 +193,8 @@ class SnapshotWriter:
                         f"~{d.replay_s:.1f}s{steps}")
             self.events.emit("snapshot_policy", interval_s=round(d.interval_s, 3), cost_s=self.cost_s,
                              failures=self.failures.failures, expected_replay_s=round(d.replay_s, 3),
-                             expected_replay_steps=round(d.replay_s / self.step_s, 2) if self.step_s else None)
+                             expected_replay_steps=round(d.replay_s / self.step_s, 2) if self.step_s else None,
+                             one_write_at_a_time=True)  # a step that commits during a write is not written
         if d.write and (self._inflight is None or self._inflight.done()):
             self._inflight = asyncio.ensure_future(self._write(frozen, d.reason))
 

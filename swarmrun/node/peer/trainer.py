@@ -104,6 +104,8 @@ class Trainer:
         self.finished = False
         self.snapshots = False  # this peer has a snapshot store (set by its SnapshotSide; reported to the others)
         self.samples_per_second = 0.0
+        self.step_seconds: Optional[float] = None  # mean wall time of a committed step (EMA), for the ETA
+        self._last_commit: Optional[float] = None
         self.last_loss: Optional[float] = None
         self.failed_rounds = 0
         self.stats = dict(steps_committed=0, rounds_abandoned=0, resyncs=0)
@@ -386,6 +388,11 @@ class Trainer:
         self.served.refresh()
 
     def _after_commit(self) -> None:
+        now = time.monotonic()
+        if self._last_commit is not None:  # wall time a step takes, rounds included (what an ETA must count)
+            dt = now - self._last_commit
+            self.step_seconds = dt if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * dt
+        self._last_commit = now
         self.served.publish()
         for hook in list(self.commit_hooks):
             try:
@@ -396,11 +403,15 @@ class Trainer:
     def _step_fields(self, **extra) -> dict:
         trainers = self.view.trainers
         sps = sum(r.samples_per_second for p, r in trainers.items() if p != self.peer_id) + self.samples_per_second
-        remaining = max(0, self.spec.total_steps - self.state.step) * self.spec.target_batch_size
+        steps_left = max(0, self.spec.total_steps - self.state.step)
+        if self.step_seconds is not None:
+            eta = steps_left * self.step_seconds
+        else:  # before two commits: compute alone (an underestimate: rounds are not counted yet)
+            eta = steps_left * self.spec.target_batch_size / sps if sps > 0 else None
         return dict(step=self.state.step, total_steps=self.spec.total_steps, loss=self.last_loss,
                     samples_accumulated=self.samples,
                     state_hash=self.state_hash, samples_per_second=round(sps, 2), peers=max(1, len(trainers)),
-                    eta_s=(remaining / sps) if sps > 0 else None, cursor=self.state.cursor.summary(), **extra)
+                    eta_s=eta, cursor=self.state.cursor.summary(), **extra)
 
     # ---- progress reports ----------------------------------------------------------------------------
     def _report(self) -> ProgressReport:
