@@ -40,6 +40,6 @@ if __name__ == "__main__":
     parser.add_argument("--state-dir", default=None)
     parser.add_argument("--max-steps", type=int, default=None)
     args = parser.parse_args()
-    reason = swarmrun.train(task, "example", create=args.create, peers=args.peers, state_dir=args.state_dir,
+    result = swarmrun.train(task, "example", create=args.create, peers=args.peers, state_dir=args.state_dir,
                             device="cpu", max_steps=args.max_steps)
-    print(f"left the run: {reason}")
+    print(f"left the run: {result.reason} at step {result.step}")  # result.model: the trained model

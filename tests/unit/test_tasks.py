@@ -254,3 +254,38 @@ def test_args_are_coerced_and_checked(corpus_dir):
     with pytest.raises(TaskError, match=">= 1"):
         SyntheticTask({"num_examples": 0}, 0)
     assert lm(corpus_dir, d_model="32").args["d_model"] == 32
+
+
+def test_make_task_takes_a_schedule_and_an_evaluation():
+    """An existing script's constant LR and validation loss, without a Task subclass."""
+    import swarmrun
+    from swarmrun.node.api import TrainResult
+
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    held_out = (torch.randn(8, 4), torch.randn(8, 1))
+
+    def mse(model, batch):
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    for schedule, lrs in (("constant", [0.5, 0.5, 0.5]), (lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                                                          [0.5, 0.25, 0.125])):
+        cls = swarmrun.make_task("api-t", model=lambda: torch.nn.Linear(4, 1), dataset=data, loss=mse,
+                                 optimizer=lambda params: torch.optim.SGD(params, lr=0.5), scheduler=schedule,
+                                 evaluate=lambda m: mse(m, held_out).item())
+        task = cls({}, 0)
+        model = task.build_model()
+        opt = task.build_optimizer(model, cls.hparam_defaults)
+        sched = task.build_scheduler(opt, cls.hparam_defaults)
+        seen = []
+        for _ in range(3):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        assert seen == pytest.approx(lrs)
+        assert task.evaluate(model, torch.device("cpu")) == pytest.approx(mse(model, held_out).item())
+        assert model.training  # evaluate() restores the mode
+    with pytest.raises(ValueError):
+        swarmrun.make_task("api-u", model=lambda: torch.nn.Linear(4, 1), dataset=data, loss=mse, scheduler="linear")
+    with pytest.raises(TypeError, match="matchmaking_tme"):  # a misspelt setting fails before anything starts
+        swarmrun.train(cls, "r", create=True, matchmaking_tme=1.0)
+    assert str(TrainResult(reason="finished", step=3, state_hash="h", model=None)) == "finished"

@@ -52,9 +52,11 @@ class JoinOptions:
     invite: Optional[str] = None  # a file with this peer's certificate (`node invite` output)
 
 
-async def run_peer(opts: JoinOptions, events: Events) -> str:
+async def run_peer(opts: JoinOptions, events: Events, *, keep: Optional[dict] = None) -> str:
     """Create or join the run, then train until it finishes, ``max_steps`` is reached or a signal arrives.
 
+    Args:
+        keep: filled, when the peer leaves after training, with its ``model``, ``step`` and ``state_hash``.
     Returns:
         why the peer left ("finished", "max_steps", "stopped").
     Raises:
@@ -99,8 +101,7 @@ async def run_peer(opts: JoinOptions, events: Events) -> str:
         side.start()
         reason = await trainer.run()
         await side.close(reason)
-        events.emit("left", reason=reason, step=trainer.state.step, state_hash=trainer.state_hash,
-                    cursor=trainer.state.cursor.summary(), **trainer.stats)
+        _left(trainer, reason, events, keep)
         return reason
     finally:
         if spec_task is not None:
@@ -124,6 +125,13 @@ async def _local_inputs(opts: JoinOptions) -> tuple[Optional["ResumePlan"], Opti
         except TaskError as e:
             raise UsageError(str(e)) from None
     return plan, task_cls
+
+
+def _left(trainer: Trainer, reason: str, events: Events, keep: Optional[dict]) -> None:
+    events.emit("left", reason=reason, step=trainer.state.step, state_hash=trainer.state_hash,
+                cursor=trainer.state.cursor.summary(), **trainer.stats)
+    if keep is not None:
+        keep.update(model=trainer.state.model, step=trainer.state.step, state_hash=trainer.state_hash)
 
 
 def _left_early(events: Events) -> str:
