@@ -42,6 +42,7 @@ class AgentConfig:
     heartbeat_interval: float = 1.0
     stop_timeout: float = 20.0  # SIGTERM, then SIGKILL of the peer's group after this many seconds
     restart_backoff: float = 5.0  # a peer that exited on its own is started again after this long
+    snapshot_wait: float = 60.0  # how long a leader waits for a snapshot of the run's reported step before older
     device: str = "auto"
     peer_args: tuple[str, ...] = ()  # passed to every `node join` (--listen, --announce, --matchmaking-time ...)
 
@@ -71,6 +72,8 @@ class _Peer:
     left: Optional[dict] = None
     reader: Optional[asyncio.Task] = None
     stopping: bool = field(default=False)
+    pending: Optional[dict] = None  # the newest step not yet reported
+    reported_at: float = 0.0
 
 
 class Agent:
@@ -81,6 +84,8 @@ class Agent:
         self.peer: Optional[_Peer] = None
         self.store: Optional[str] = None
         self.finished: set[str] = set()
+        self.waiting: dict[str, float] = {}  # run id -> when this agent began waiting for its newest snapshot
+        self.told: set[str] = set()  # runs whose wait was announced (once, not every heartbeat)
         self.last_exit = 0.0
         self.present = False
         self.stop = asyncio.Event()
@@ -111,6 +116,8 @@ class Agent:
         body: dict[str, Any] = {"resident_present": present}
         if self.peer is not None and self.peer.maddr and not self.peer.stopping:
             body["peer"] = {"run_id": self.peer.run_id, "maddr": self.peer.maddr}
+        if self.peer is not None:
+            await self._flush(self.peer, now=True)
         try:
             answer = await asyncio.to_thread(self.client.post, f"workers/{self.config.worker_id}/heartbeat", body)
         except SwarmrunError as e:  # the coordinator is down or restarting: the peer trains on
@@ -140,16 +147,24 @@ class Agent:
         if assignment.get("peers"):
             args += ["--peers", *assignment["peers"][:4]]
         elif assignment.get("leader") == self.config.worker_id:
-            resume = self._snapshot(run_id)
-            if resume is not None:
-                args += ["--resume-from", resume]
-            elif not assignment.get("step"):
+            step = assignment.get("step") or 0
+            resume, snapshot_step = self._snapshot(run_id)
+            if resume is None and step == 0:
                 args += ["--task", assignment["task"]]
                 for key, value in sorted((assignment.get("task_args") or {}).items()):
                     args += ["--set", f"{key}={value}"]
-            else:  # the run has committed steps but no snapshot and no live peer: never restart it from its seed
-                self.events.emit("waiting", run_id=run_id, message="no live peer and no snapshot of a run with steps")
+            elif resume is None or (snapshot_step < step and not self._waited(run_id)):
+                # a run with steps and no live peer: its last peer may still be writing its leave snapshot. Never
+                # restart it from its seed; resume from an older snapshot only after ``snapshot_wait``.
+                if run_id not in self.told:
+                    self.told.add(run_id)
+                    self.events.emit("waiting", run_id=run_id, step=step, snapshot_step=snapshot_step,
+                                     message="waiting for the run's newest snapshot")
                 return
+            else:
+                if snapshot_step < step:
+                    self.events.emit("resumed_behind", run_id=run_id, step=step, snapshot_step=snapshot_step)
+                args += ["--resume-from", resume]
         else:
             return  # the leader creates or resumes the run; this worker joins once a peer listens
         await self.start_peer(run_id, args)
@@ -157,18 +172,22 @@ class Agent:
     def _store_of(self, run_id: str) -> Optional[str]:
         return None if not self.store else f"{self.store.rstrip('/')}/{run_id}"
 
-    def _snapshot(self, run_id: str) -> Optional[str]:
-        """The run's store if it holds a complete snapshot, else None."""
+    def _snapshot(self, run_id: str) -> tuple[Optional[str], int]:
+        """The run's store and its newest complete snapshot's step, or (None, -1) when it holds none."""
         from swarmrun.node import SnapshotStore
 
         where = self._store_of(run_id)
         if where is None:
-            return None
+            return None, -1
         try:
-            SnapshotStore(where).newest_step()
+            return where, SnapshotStore(where).newest_step()
         except (SwarmrunError, OSError):
-            return None
-        return where
+            return None, -1
+
+    def _waited(self, run_id: str) -> bool:
+        """Whether this agent has waited ``snapshot_wait`` for a run's newest snapshot (the clock starts now)."""
+        since = self.waiting.setdefault(run_id, time.monotonic())
+        return time.monotonic() - since >= self.config.snapshot_wait
 
     async def start_peer(self, run_id: str, args: list[str]) -> None:
         state_dir = self.config.state_dir / "runs" / run_id
@@ -181,6 +200,8 @@ class Agent:
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=log,
                                                     start_new_session=True, cwd=state_dir, limit=2**22)
         log.close()
+        self.waiting.pop(run_id, None)
+        self.told.discard(run_id)
         self.peer = _Peer(run_id=run_id, proc=proc, started=time.monotonic())
         self.peer.reader = asyncio.create_task(self._read(self.peer))
         self.events.emit("peer_started", run_id=run_id, pid=proc.pid, args=args)
@@ -200,7 +221,8 @@ class Agent:
             elif kind == "step":
                 fields = {k: event.get(k) for k in ("step", "loss", "samples_per_second", "peers")}
                 self.events.emit("peer_step", run_id=peer.run_id, **fields)
-                await self._report(peer.run_id, {k: v for k, v in fields.items() if v is not None})
+                peer.pending = {k: v for k, v in fields.items() if v is not None}
+                await self._flush(peer)
             elif kind == "snapshot" and event.get("where"):
                 self.events.emit("peer_snapshot", run_id=peer.run_id, step=event.get("step"), where=event["where"])
                 await self._report(peer.run_id, {"step": event["step"], "snapshot": {"url": event["where"], "step": event["step"]}})
@@ -208,6 +230,13 @@ class Agent:
                 peer.left = event
             elif kind == "error":
                 self.events.emit("peer_error", run_id=peer.run_id, message=event.get("message"))
+
+    async def _flush(self, peer: _Peer, *, now: bool = False) -> None:
+        """Report the newest step, at most once per ``heartbeat_interval`` (a small run steps many times a second;
+        every report is a database commit)."""
+        if peer.pending is not None and (now or time.monotonic() - peer.reported_at >= self.config.heartbeat_interval):
+            body, peer.pending, peer.reported_at = peer.pending, None, time.monotonic()
+            await self._report(peer.run_id, body)
 
     async def _report(self, run_id: str, body: dict[str, Any]) -> None:
         try:

@@ -179,3 +179,58 @@ def test_parse_http():
     for bad in ("8470", "host:", ":80", "h:99999"):
         with pytest.raises(UsageError):
             parse_http(bad)
+
+
+class _Recorder:
+    def __init__(self):
+        self.seen = []
+
+    def emit(self, kind, **fields):
+        self.seen.append((kind, fields))
+
+
+def _agent(tmp_path, store=None, **config):
+    from swarmrun.coordinator.agent import Agent, AgentConfig
+
+    agent = Agent(AgentConfig(worker_id="w1", state_dir=tmp_path, **config), client=None,
+                  resident=FileResident(flag_path(tmp_path)), events=_Recorder())
+    agent.store = store
+    agent.started = []
+
+    async def start_peer(run_id, args):
+        agent.started.append(args)
+
+    agent.start_peer = start_peer
+    return agent
+
+
+def _assignment(**kw):
+    base = dict(run_id="r", state="running", task="synthetic", task_args={"total_steps": "9"}, peers=[], leader="w1",
+                step=None)
+    return {"assignment": {**base, **kw}}
+
+
+async def test_the_leader_creates_a_new_run_and_the_others_join_a_running_peer(tmp_path):
+    agent = _agent(tmp_path, store=str(tmp_path / "store"))
+    await agent._act(_assignment())
+    assert agent.started == [["r", "--task", "synthetic", "--set", "total_steps=9"]]
+    other = _agent(tmp_path)
+    await other._act(_assignment(leader="w0"))  # not the leader, no peer yet: waits
+    await other._act(_assignment(leader="w0", state="pending"))
+    assert other.started == []
+    await other._act(_assignment(leader="w0", peers=["/ip4/1.2.3.4/tcp/5/p2p/Qm"]))
+    assert other.started == [["r", "--peers", "/ip4/1.2.3.4/tcp/5/p2p/Qm"]]
+
+
+async def test_a_run_with_steps_and_no_snapshot_is_never_restarted_from_its_seed(tmp_path):
+    agent = _agent(tmp_path, store=str(tmp_path / "store"), snapshot_wait=0.0)
+    for _ in range(3):
+        await agent._act(_assignment(step=12))
+    assert agent.started == [] and [k for k, _ in agent.events.seen] == ["waiting"]
+
+
+async def test_a_present_resident_gets_no_peer(tmp_path):
+    agent = _agent(tmp_path)
+    agent.present = True
+    await agent._act(_assignment())
+    assert agent.started == []
