@@ -164,18 +164,33 @@ async def serve(config: CoordinatorConfig, events) -> None:
 
     loop_task: Optional[asyncio.Task] = None
     try:
-        serving = asyncio.create_task(server.serve())
+        sock = _bind(config.host, config.port)  # here, not in uvicorn: a busy port is a usage error (exit 2)
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
-        if serving.done():  # a busy port: uvicorn logs and exits
-            raise UsageError(f"cannot serve on {config.host}:{config.port} (port in use?)")
-        events.emit("listening", http=f"http://{config.host}:{config.port}", db=config.db_url, store=config.store)
+        events.emit("serving", http=f"http://{config.host}:{config.port}", db=config.db_url, store=config.store)
         loop_task = asyncio.create_task(_placement_loop(registry, config, wake, emit))
         await serving
     finally:
         if loop_task is not None:
             loop_task.cancel()
         registry.close()
+
+
+def _bind(host: str, port: int):
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot serve on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
 
 
 def default_store(state_dir: Path) -> str:

@@ -99,7 +99,7 @@ def test_pool_end_to_end(tmp_path):
     try:
         coordinator = Proc("coordinator", coordinator_args, tmp_path, env)
         procs.append(coordinator)
-        coordinator.wait_event("listening", 60)
+        coordinator.wait_event("serving", 60)
         agent_common = ["--device", "cpu", "--peer-arg=--matchmaking-time", "--peer-arg=1.0", "--stop-timeout", "20"]
         w1 = Proc("w1", ["agent", "--worker-id", "w1", "--state-dir", str(tmp_path / "w1"),
                          "--resident", f"script:{script}", *agent_common], tmp_path, env)
@@ -132,7 +132,7 @@ def test_pool_end_to_end(tmp_path):
         assert _group_alive(w1_peer) and not w1.events("peer_stopped")
         coordinator = Proc("coordinator2", coordinator_args, tmp_path, env)
         procs.append(coordinator)
-        coordinator.wait_event("listening", 60)
+        coordinator.wait_event("serving", 60)
         run = client.get("runs/r1")["run"]
         assert run["state"] == "running" and run["workers"] == ["w1"] and run["step"] >= step0
         assert {r["run_id"] for r in client.get("runs")["runs"]} == {"r1"}

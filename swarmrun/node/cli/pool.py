@@ -108,8 +108,18 @@ def run_coordinator(args, events) -> int:
     policy = Policy() if args.min_residence is None else Policy(min_residence_s=args.min_residence)
     config = CoordinatorConfig(host=host, port=port, db_url=db, store=args.store or default_store(state_dir),
                                policy=policy)
+    import signal
+
+    # uvicorn stops gracefully on SIGTERM/SIGINT, then raises the signal again under the handler it found: this
+    # one, so a stop we were asked for exits 0 (everything is committed already)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_0)
     run_async(serve(config, events))
     return 0
+
+
+def _exit_0(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 def run_agent(args, events) -> int:
@@ -168,8 +178,17 @@ def run_submit(args, events) -> int:
     if args.need_device:
         body["needs"] = {"device": args.need_device}
     run = _client(args).post("runs", body)["run"]
-    events.emit("submitted", **{k: run[k] for k in ("run_id", "owner", "state", "priority", "min_peers", "max_peers")})
+    fields = {k: run[k] for k in ("run_id", "owner", "state", "priority", "min_peers", "max_peers")}
+    _say(args, events, "submitted", fields, f"run {run['run_id']} submitted: {run['state']}, priority {run['priority']}, "
+                                            f"{run['min_peers']}-{run['max_peers']} peers")
     return 0
+
+
+def _say(args, events, kind: str, fields: dict, line: str) -> None:
+    if args.json:
+        events.emit(kind, **fields)
+    else:
+        print(line)
 
 
 _COLUMNS = ("run_id", "owner", "state", "priority", "min_peers", "max_peers", "step", "total_steps", "loss", "snapshot_step")
@@ -200,5 +219,5 @@ def run_action(args, events) -> int:
     from swarmrun.coordinator.schema import check_name
 
     run = _client(args).post(f"runs/{check_name(args.run_id)}/{args.command}")["run"]
-    events.emit(args.command, run_id=run["run_id"], state=run["state"])
+    _say(args, events, args.command, dict(run_id=run["run_id"], state=run["state"]), f"run {run['run_id']}: {run['state']}")
     return 0
