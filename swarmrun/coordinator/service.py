@@ -62,8 +62,13 @@ def _devices(resources: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def placement_view(rows: PoolRows) -> tuple[list[PoolRun], list[Worker], list[Assignment]]:
-    """The registry's rows as the dataclasses ``plan`` reads (runs oldest first, workers, assignments)."""
+def placement_view(rows: PoolRows, *, up_since: float = 0.0) -> tuple[list[PoolRun], list[Worker], list[Assignment]]:
+    """The registry's rows as the dataclasses ``plan`` reads (runs oldest first, workers, assignments).
+
+    ``up_since``: when this coordinator began serving. A worker is not heard from while the coordinator is down, so
+    its ``last_seen`` counts from then at the earliest: a restart after a long outage does not release every
+    worker as lost before its agent's next heartbeat.
+    """
     runs = [
         PoolRun(run_id=r["run_id"], owner=r["owner"], min_peers=r["min_peers"], max_peers=r["max_peers"],
                 submitted_at=r["submitted_at"], priority=r["priority"], share=r["share"],
@@ -72,7 +77,7 @@ def placement_view(rows: PoolRows) -> tuple[list[PoolRun], list[Worker], list[As
         for r in sorted(rows.runs, key=lambda r: (r["submitted_at"], r["run_id"]))
     ]  # fmt: skip
     workers = [
-        Worker(worker_id=w["worker_id"], devices=_devices(w["resources"] or {}), last_seen=w["last_seen"],
+        Worker(worker_id=w["worker_id"], devices=_devices(w["resources"] or {}), last_seen=max(w["last_seen"], up_since),
                resident_present=bool(w["resident_present"]))
         for w in rows.workers
     ]
@@ -118,7 +123,7 @@ def carry_out(registry: Registry, actions: Sequence, runs: Sequence[PoolRun],
     return done
 
 
-def place_once(registry: Registry, policy: Policy, now: float, emit: Callable[..., None]) -> int:
+def place_once(registry: Registry, policy: Policy, now: float, emit: Callable[..., None], up_since: float = 0.0) -> int:
     """One pass of the loop: finish runs that reached their last step, plan, record. Returns actions recorded."""
     rows = registry.pool()
     for run_id in finished_runs(rows):
@@ -128,14 +133,15 @@ def place_once(registry: Registry, policy: Policy, now: float, emit: Callable[..
         except Conflict:
             pass
     rows = registry.pool()
-    runs, workers, assignments = placement_view(rows)
+    runs, workers, assignments = placement_view(rows, up_since=up_since)
     return carry_out(registry, plan(now, runs, workers, assignments, policy), runs, emit)
 
 
 async def _placement_loop(registry: Registry, config: CoordinatorConfig, wake: asyncio.Event, emit) -> None:
+    up_since = time.time()
     while True:
         try:
-            await asyncio.to_thread(place_once, registry, config.policy, time.time(), emit)
+            await asyncio.to_thread(place_once, registry, config.policy, time.time(), emit, up_since)
         except SwarmrunError as e:  # recorded, retried on the next pass (STYLE 5)
             logger.warning(f"placement pass failed: {e}")
         except Exception:

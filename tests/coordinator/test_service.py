@@ -234,3 +234,32 @@ async def test_a_present_resident_gets_no_peer(tmp_path):
     agent.present = True
     await agent._act(_assignment())
     assert agent.started == []
+
+
+def test_a_restarted_coordinator_does_not_count_its_own_outage_against_the_workers(registry, clock):
+    submit(registry, "r")
+    worker(registry, "w1")
+    place_once(registry, Policy(), clock.now, lambda *a, **k: None)
+    clock.advance(600)  # the coordinator was down for ten minutes; the agent's peer trained on
+    place_once(registry, Policy(), clock.now, lambda *a, **k: None, up_since=clock.now - 1)
+    assert registry.run("r")["workers"] == ["w1"]
+    place_once(registry, Policy(), clock.now, lambda *a, **k: None)  # without it, the worker would be lost
+    assert registry.run("r")["workers"] == []
+
+
+def _node(*args, env=None):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMRUN_")} | (env or {})
+    return subprocess.run([sys.executable, "-m", "swarmrun.node.cli", *args], env=env, capture_output=True, text=True)
+
+
+def test_pool_commands_exit_codes(tmp_path):
+    assert _node("runs").returncode == 2  # no coordinator given
+    assert _node("runs", "--coordinator", "127.0.0.1:9").returncode == 2  # no token
+    unreachable = _node("runs", "--json", "--coordinator", "127.0.0.1:9", "--token", "t")
+    assert unreachable.returncode == 3 and json.loads(unreachable.stdout.splitlines()[-1])["event"] == "error"
+    assert _node("coordinator", "user", "add", "bad name!", "--state-dir", str(tmp_path)).returncode == 2
+    assert _node("agent", "--stop-timeout", "40", "--coordinator", "x", "--token", "t").returncode == 2
