@@ -77,10 +77,32 @@ def _refuse_constant(name: str) -> Any:
 class _Api:
     """The endpoints, bound to one registry. Each reads, checks, calls the registry in a thread."""
 
-    def __init__(self, registry: Registry, on_change: Callable[[], None] | None, max_body_bytes: int) -> None:
+    def __init__(self, registry: Registry, on_change: Callable[[], None] | None, max_body_bytes: int,
+                 store: str | None = None) -> None:
         self.registry = registry
         self.on_change = on_change
         self.max_body_bytes = max_body_bytes
+        self.store = store
+        # worker id -> (run id, multiaddr) of the peer its agent runs. Kept in memory, not in the registry:
+        # every heartbeat repeats it, so a restarted coordinator knows it again within one heartbeat.
+        self.peers: dict[str, tuple[str, str]] = {}
+
+    async def with_run_info(self, worker_id: str, answer: dict[str, Any]) -> dict[str, Any]:
+        """An agent's answer with what it needs to start its peer: the pool's store, the multiaddrs of the run's
+        running peers on other workers, the run's leader (the worker that creates or resumes it when no peer
+        runs: the least worker id assigned) and the run's last reported step."""
+        assignment = answer.get("assignment")
+        answer["store"] = self.store
+        if assignment is None:
+            return answer
+        run = await self.call(self.registry.run, assignment["run_id"])
+        members = run["workers"]
+        assignment["peers"] = sorted(
+            self.peers[w][1] for w in members if w != worker_id and self.peers.get(w, ("",))[0] == run["run_id"]
+        )
+        assignment["leader"] = min(members) if members else worker_id
+        assignment.update({k: run[k] for k in ("step", "total_steps", "snapshot_url", "snapshot_step")})
+        return answer
 
     async def call(self, method: Callable, *args, **kwargs) -> Any:
         return await asyncio.to_thread(method, *args, **kwargs)
@@ -187,14 +209,20 @@ class _Api:
         user = await self.user(request)
         reg = schema.parse_registration(await self.body(request))
         await self.owned_worker(reg.worker_id, user, new_ok=True)
-        return JSONResponse(await self.write(self.registry.register_worker, reg, owner=user.name))
+        answer = await self.write(self.registry.register_worker, reg, owner=user.name)
+        return JSONResponse(await self.with_run_info(reg.worker_id, answer))
 
     async def heartbeat(self, request: Request) -> JSONResponse:
         user = await self.user(request)
         worker_id = schema.check_name(request.path_params["worker_id"], "worker_id")
         await self.owned_worker(worker_id, user, new_ok=False)
         beat = schema.parse_heartbeat(await self.body(request))
-        return JSONResponse(await self.write(self.registry.heartbeat, worker_id, beat))
+        answer = await self.write(self.registry.heartbeat, worker_id, beat)
+        if beat.peer_run_id is not None and beat.peer_maddr is not None:
+            self.peers[worker_id] = (beat.peer_run_id, beat.peer_maddr)
+        else:
+            self.peers.pop(worker_id, None)
+        return JSONResponse(await self.with_run_info(worker_id, answer))
 
     async def list_workers(self, request: Request) -> JSONResponse:
         await self.user(request)
@@ -218,7 +246,8 @@ class _Api:
 
 
 def make_app(
-    registry: Registry, *, on_change: Callable[[], None] | None = None, max_body_bytes: int = MAX_BODY_BYTES
+    registry: Registry, *, on_change: Callable[[], None] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+    store: str | None = None,
 ) -> Starlette:
     """The API as an ASGI app.
 
@@ -227,8 +256,9 @@ def make_app(
         on_change: called after every write (on the event loop's thread), e.g. to wake the
             placement loop without it polling.
         max_body_bytes: the largest request body accepted (413 above it).
+        store: the pool's snapshot store, handed to agents (each run's snapshots go to ``STORE/RUN_ID``).
     """
-    api = _Api(registry, on_change, max_body_bytes)
+    api = _Api(registry, on_change, max_body_bytes, store)
     routes = [
         Route("/api/runs", api.submit, methods=["POST"]),
         Route("/api/runs", api.list_runs, methods=["GET"]),

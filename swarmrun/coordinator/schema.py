@@ -92,6 +92,8 @@ class Heartbeat:
 
     resident_present: bool
     resources: Resources | None = None
+    peer_run_id: str | None = None  # the run of the peer this agent runs now, if any
+    peer_maddr: str | None = None  # where that peer listens (others of the run join through it)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,13 +230,19 @@ def parse_registration(body: Any) -> Registration:
 
 def parse_heartbeat(body: Any) -> Heartbeat:
     """A validated ``Heartbeat`` from a ``POST /api/workers/{id}/heartbeat`` body."""
-    body = _object(body, {"resident_present", "resources"}, {"resident_present"})
+    body = _object(body, {"resident_present", "resources", "peer"}, {"resident_present"})
     if not isinstance(body["resident_present"], bool):
         raise UsageError("resident_present must be true or false")
     resources = body.get("resources")
+    peer = _object(body.get("peer") or {}, {"run_id", "maddr"}, {"run_id", "maddr"} if body.get("peer") else set())
+    maddr = peer.get("maddr")
+    if maddr is not None and (not isinstance(maddr, str) or not 1 <= len(maddr) <= 512 or not maddr.isprintable()):
+        raise UsageError("peer.maddr must be a printable string of 1 to 512 characters")
     return Heartbeat(
         resident_present=body["resident_present"],
         resources=None if resources is None else parse_resources(resources),
+        peer_run_id=None if not peer else check_name(peer["run_id"], "peer.run_id"),
+        peer_maddr=maddr,
     )
 
 

@@ -12,6 +12,9 @@ COMMANDS = {  # command -> (module of swarmrun.node.cli, function(args, events) 
     "join": ("join", "run_join"), "keep": ("join", "run_keep"), "demo": ("demo", "run_demo"),
     "status": ("status", "run_status"), "snapshot": ("snapshot", "run_command"), "pause": ("snapshot", "run_command"),
     "invite": ("access", "run_command"), "identity": ("access", "run_command"),
+    "coordinator": ("pool", "run_coordinator"), "agent": ("pool", "run_agent"), "submit": ("pool", "run_submit"),
+    "runs": ("pool", "run_runs"), "hold": ("pool", "run_action"), "release": ("pool", "run_action"),
+    "cancel": ("pool", "run_action"),
 }
 
 
@@ -21,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    from swarmrun.node.cli import access, demo, join, snapshot, status
+    from swarmrun.node.cli import access, demo, join, pool, snapshot, status
 
     join.add_parsers(sub)
     demo.add_parser(sub)
@@ -29,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("tasks", help="list the installed tasks")
     snapshot.add_parsers(sub, epilog=EXIT_CODES, swarm_args=swarm_args)
     access.add_parsers(sub, epilog=EXIT_CODES, swarm_args=swarm_args)
+    pool.add_parsers(sub)
     return p
 
 

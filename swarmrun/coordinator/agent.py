@@ -1,0 +1,287 @@
+"""`node agent`: one per workstation. It registers the machine, heartbeats once a second with its resident's
+presence and its peer's address, and starts and stops one peer (a `node join` child) as its assignment says.
+
+Each peer is a child process in its own session (process group), with its own state dir
+``STATE_DIR/runs/RUN_ID``; it writes snapshots to ``STORE/RUN_ID`` (the pool's store, from the coordinator), so
+the last peer of a run that leaves writes its newest state there. A peer is stopped with SIGTERM to its group and
+SIGKILL after ``stop_timeout``: the resident gets the machine back within ``stop_timeout`` plus one tick.
+
+The agent decides locally what it can: when the resident returns it stops its peer at once, without waiting for
+the coordinator; when the coordinator is unreachable it keeps its peer training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from swarmrun.coordinator.client import Client
+from swarmrun.coordinator.residents import Resident
+from swarmrun.protocol.errors import SwarmrunError
+
+__all__ = ["AgentConfig", "Agent", "local_resources"]
+
+logger = logging.getLogger("swarmrun.agent")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """One agent: who it is, where it keeps its peers, how its peers listen."""
+
+    worker_id: str
+    state_dir: Path
+    heartbeat_interval: float = 1.0
+    stop_timeout: float = 20.0  # SIGTERM, then SIGKILL of the peer's group after this many seconds
+    restart_backoff: float = 5.0  # a peer that exited on its own is started again after this long
+    snapshot_wait: float = 60.0  # how long a leader waits for a snapshot of the run's reported step before older
+    device: str = "auto"
+    peer_args: tuple[str, ...] = ()  # passed to every `node join` (--listen, --announce, --matchmaking-time ...)
+
+
+def local_resources() -> dict[str, Any]:
+    """CPU count, RAM and CUDA devices (through torch.cuda when torch imports; none otherwise)."""
+    import psutil
+
+    devices = []
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                devices.append({"kind": "cuda", "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 2)})
+    except Exception:  # no torch, no driver: a CPU workstation
+        pass
+    return {"devices": devices, "cpus": os.cpu_count() or 1, "ram_gib": round(psutil.virtual_memory().total / 2**30, 2)}
+
+
+@dataclass(eq=False)
+class _Peer:
+    run_id: str
+    proc: asyncio.subprocess.Process
+    started: float
+    maddr: Optional[str] = None
+    left: Optional[dict] = None
+    reader: Optional[asyncio.Task] = None
+    stopping: bool = field(default=False)
+    pending: Optional[dict] = None  # the newest step not yet reported
+    reported_at: float = 0.0
+
+
+class Agent:
+    """The agent's loop (``run``) and its peer's life (``start_peer``, ``stop_peer``)."""
+
+    def __init__(self, config: AgentConfig, client: Client, resident: Resident, events) -> None:
+        self.config, self.client, self.resident, self.events = config, client, resident, events
+        self.peer: Optional[_Peer] = None
+        self.store: Optional[str] = None
+        self.finished: set[str] = set()
+        self.waiting: dict[str, float] = {}  # run id -> when this agent began waiting for its newest snapshot
+        self.told: set[str] = set()  # runs whose wait was announced (once, not every heartbeat)
+        self.last_exit = 0.0
+        self.present = False
+        self.stop = asyncio.Event()
+
+    async def run(self) -> None:
+        resources = await asyncio.to_thread(local_resources)
+        body = {"worker_id": self.config.worker_id, "hostname": socket.gethostname(), "resources": resources}
+        answer = await asyncio.to_thread(self.client.post, "workers/register", body)
+        self.events.emit("registered", worker_id=self.config.worker_id, resources=resources)
+        await self._act(answer)
+        try:
+            while not self.stop.is_set():
+                await self.tick()
+                try:
+                    await asyncio.wait_for(self.stop.wait(), timeout=self.config.heartbeat_interval)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            await self.stop_peer("agent stopping")
+
+    async def tick(self) -> None:
+        present = self.resident.present()
+        if present != self.present:
+            self.present = present
+            self.events.emit("resident", present=present)
+        if present and self.peer is not None:
+            await self.stop_peer("resident returned")  # at once: the coordinator hears of it on this heartbeat
+        body: dict[str, Any] = {"resident_present": present}
+        if self.peer is not None and self.peer.maddr and not self.peer.stopping:
+            body["peer"] = {"run_id": self.peer.run_id, "maddr": self.peer.maddr}
+        if self.peer is not None:
+            await self._flush(self.peer, now=True)
+        try:
+            answer = await asyncio.to_thread(self.client.post, f"workers/{self.config.worker_id}/heartbeat", body)
+        except SwarmrunError as e:  # the coordinator is down or restarting: the peer trains on
+            logger.warning(f"heartbeat failed: {e}")
+            return
+        await self._act(answer)
+
+    async def _act(self, answer: dict[str, Any]) -> None:
+        """Carry out the assignment the coordinator answered with."""
+        self.store = answer.get("store") or self.store
+        assignment = answer.get("assignment")
+        peer = self.peer
+        if peer is not None and peer.proc.returncode is not None:
+            await self._reap(peer)
+            peer = None
+        wanted = assignment["run_id"] if assignment and assignment["state"] == "running" and not self.present else None
+        if peer is not None and peer.run_id != wanted:
+            await self.stop_peer("released" if wanted is None else f"assigned to run {wanted}")
+            peer = None
+        if peer is None and wanted is not None and wanted not in self.finished:
+            if time.monotonic() - self.last_exit >= self.config.restart_backoff:
+                await self._maybe_start(assignment)
+
+    async def _maybe_start(self, assignment: dict[str, Any]) -> None:
+        run_id = assignment["run_id"]
+        args = [run_id]
+        if assignment.get("peers"):
+            args += ["--peers", *assignment["peers"][:4]]
+        elif assignment.get("leader") == self.config.worker_id:
+            step = assignment.get("step") or 0
+            resume, snapshot_step = self._snapshot(run_id)
+            if resume is None and step == 0:
+                args += ["--task", assignment["task"]]
+                for key, value in sorted((assignment.get("task_args") or {}).items()):
+                    args += ["--set", f"{key}={value}"]
+            elif resume is None or (snapshot_step < step and not self._waited(run_id)):
+                # a run with steps and no live peer: its last peer may still be writing its leave snapshot. Never
+                # restart it from its seed; resume from an older snapshot only after ``snapshot_wait``.
+                if run_id not in self.told:
+                    self.told.add(run_id)
+                    self.events.emit("waiting", run_id=run_id, step=step, snapshot_step=snapshot_step,
+                                     message="waiting for the run's newest snapshot")
+                return
+            else:
+                if snapshot_step < step:
+                    self.events.emit("resumed_behind", run_id=run_id, step=step, snapshot_step=snapshot_step)
+                args += ["--resume-from", resume]
+        else:
+            return  # the leader creates or resumes the run; this worker joins once a peer listens
+        await self.start_peer(run_id, args)
+
+    def _store_of(self, run_id: str) -> Optional[str]:
+        return None if not self.store else f"{self.store.rstrip('/')}/{run_id}"
+
+    def _snapshot(self, run_id: str) -> tuple[Optional[str], int]:
+        """The run's store and its newest complete snapshot's step, or (None, -1) when it holds none."""
+        from swarmrun.node import SnapshotStore
+
+        where = self._store_of(run_id)
+        if where is None:
+            return None, -1
+        try:
+            return where, SnapshotStore(where).newest_step()
+        except (SwarmrunError, OSError):
+            return None, -1
+
+    def _waited(self, run_id: str) -> bool:
+        """Whether this agent has waited ``snapshot_wait`` for a run's newest snapshot (the clock starts now)."""
+        since = self.waiting.setdefault(run_id, time.monotonic())
+        return time.monotonic() - since >= self.config.snapshot_wait
+
+    async def start_peer(self, run_id: str, args: list[str]) -> None:
+        state_dir = self.config.state_dir / "runs" / run_id
+        state_dir.mkdir(parents=True, exist_ok=True)
+        store = self._store_of(run_id)
+        cmd = [sys.executable, "-m", "swarmrun.node.cli", "join", *args, "--state-dir", str(state_dir),
+               "--device", self.config.device, *(["--snapshot-to", store] if store else []), *self.config.peer_args,
+               "--json"]
+        log = open(state_dir / "peer.log", "ab")
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=log,
+                                                    start_new_session=True, cwd=state_dir, limit=2**22)
+        log.close()
+        self.waiting.pop(run_id, None)
+        self.told.discard(run_id)
+        self.peer = _Peer(run_id=run_id, proc=proc, started=time.monotonic())
+        self.peer.reader = asyncio.create_task(self._read(self.peer))
+        self.events.emit("peer_started", run_id=run_id, pid=proc.pid, args=args)
+
+    async def _read(self, peer: _Peer) -> None:
+        """The peer's --json events: its address, its steps and snapshots (reported to the coordinator)."""
+        assert peer.proc.stdout is not None
+        async for line in peer.proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            kind = event.get("event")
+            if kind == "listening" and event.get("maddrs"):
+                peer.maddr = event["maddrs"][0]
+                self.events.emit("peer_listening", run_id=peer.run_id, maddr=peer.maddr)
+            elif kind == "step":
+                fields = {k: event.get(k) for k in ("step", "loss", "samples_per_second", "peers")}
+                self.events.emit("peer_step", run_id=peer.run_id, **fields)
+                peer.pending = {k: v for k, v in fields.items() if v is not None}
+                await self._flush(peer)
+            elif kind == "snapshot" and event.get("where"):
+                self.events.emit("peer_snapshot", run_id=peer.run_id, step=event.get("step"), where=event["where"])
+                await self._report(peer.run_id, {"step": event["step"], "snapshot": {"url": event["where"], "step": event["step"]}})
+            elif kind == "left":
+                peer.left = event
+            elif kind == "error":
+                self.events.emit("peer_error", run_id=peer.run_id, message=event.get("message"))
+
+    async def _flush(self, peer: _Peer, *, now: bool = False) -> None:
+        """Report the newest step, at most once per ``heartbeat_interval`` (a small run steps many times a second;
+        every report is a database commit)."""
+        if peer.pending is not None and (now or time.monotonic() - peer.reported_at >= self.config.heartbeat_interval):
+            body, peer.pending, peer.reported_at = peer.pending, None, time.monotonic()
+            await self._report(peer.run_id, body)
+
+    async def _report(self, run_id: str, body: dict[str, Any]) -> None:
+        try:
+            await asyncio.to_thread(self.client.post, f"runs/{run_id}/progress", body)
+        except SwarmrunError as e:  # released meanwhile (403) or the coordinator is down: the peer's steps stand
+            logger.info(f"progress report of run {run_id} not taken: {e}")
+
+    async def stop_peer(self, reason: str) -> None:
+        """SIGTERM to the peer's process group, SIGKILL after ``stop_timeout``; waits for it."""
+        peer = self.peer
+        if peer is None:
+            return
+        peer.stopping = True
+        began = time.monotonic()
+        killed = False
+        if peer.proc.returncode is None:
+            _signal_group(peer.proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(peer.proc.wait(), timeout=self.config.stop_timeout)
+            except asyncio.TimeoutError:
+                killed = True
+        _signal_group(peer.proc.pid, signal.SIGKILL)  # whatever of the group is left (p2pd, hivemind's children)
+        await peer.proc.wait()
+        if peer.reader is not None:
+            await asyncio.wait([peer.reader], timeout=5)
+        self.events.emit("peer_stopped", run_id=peer.run_id, reason=reason, seconds=round(time.monotonic() - began, 2),
+                         killed=killed, exit_code=peer.proc.returncode, left=(peer.left or {}).get("reason"))
+        self.peer = None
+        self.last_exit = 0.0  # a stop we asked for is no failure: no backoff
+
+    async def _reap(self, peer: _Peer) -> None:
+        """A peer that exited on its own: finished (not started again) or failed (started again after a backoff)."""
+        _signal_group(peer.proc.pid, signal.SIGKILL)
+        if peer.reader is not None:
+            await asyncio.wait([peer.reader], timeout=5)
+        reason = (peer.left or {}).get("reason")
+        if reason == "finished":
+            self.finished.add(peer.run_id)
+        self.events.emit("peer_exited", run_id=peer.run_id, exit_code=peer.proc.returncode, left=reason)
+        self.peer = None
+        self.last_exit = time.monotonic()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,265 @@
+"""The coordinator's glue, on SQLite: registry rows -> placement's dataclasses, placement's actions -> the registry;
+the agent's view of its assignment through the API; the resident sources."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from swarmrun.coordinator.api import make_app
+from swarmrun.coordinator.placement import Assign, Needs, Pause, Policy, Release, Resume, RunState
+from swarmrun.coordinator.registry import Registry
+from swarmrun.coordinator.residents import FileResident, ScriptResident, flag_path, make_resident
+from swarmrun.coordinator.schema import Heartbeat, Registration, Resources, Submission
+from swarmrun.coordinator.service import carry_out, finished_runs, parse_http, place_once, placement_view
+from swarmrun.protocol.errors import UsageError
+
+from .conftest import FakeClock
+
+CPU = Resources(cpus=4, ram_gib=16.0)
+GPU = Resources(devices=(("cuda", 24.0), ("cuda", 80.0)), cpus=16, ram_gib=64.0)
+GIB = 2**30
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def registry(tmp_path, clock):
+    r = Registry(f"sqlite:///{tmp_path / 'c.db'}", clock=clock)
+    r.add_user("alice")
+    yield r
+    r.close()
+
+
+def submit(registry, run_id, **kw):
+    kw.setdefault("task", "synthetic")
+    kw.setdefault("task_args", {})
+    return registry.submit("alice", Submission(run_id=run_id, **kw))
+
+
+def worker(registry, worker_id, resources=CPU):
+    registry.register_worker(Registration(worker_id=worker_id, hostname="h", resources=resources), owner="alice")
+
+
+def test_rows_become_placement_records(registry, clock):
+    submit(registry, "big", priority=0, min_peers=2, max_peers=4, share=2.0, need_device="cuda", need_memory_gib=40.0)
+    clock.advance()
+    submit(registry, "small", priority=2)
+    worker(registry, "w1", GPU)
+    worker(registry, "w2")
+    registry.heartbeat("w2", Heartbeat(resident_present=True))
+    registry.assign("w1", "big")
+    runs, workers, assignments = placement_view(registry.pool())
+    assert [r.run_id for r in runs] == ["big", "small"]
+    big = runs[0]
+    assert (big.priority, big.min_peers, big.max_peers, big.share, big.state) == (0, 2, 4, 2.0, RunState.PENDING)
+    assert big.needs == Needs(device="cuda", min_memory=40 * GIB) and runs[1].needs == Needs()
+    by_id = {w.worker_id: w for w in workers}
+    assert by_id["w1"].devices == {"cpu": 64 * GIB, "cuda": 24 * GIB}  # the smallest GPU bounds what a peer may use
+    assert by_id["w2"].devices == {"cpu": 16 * GIB} and by_id["w2"].resident_present
+    assert [(a.worker_id, a.run_id, a.since) for a in assignments] == [("w1", "big", clock.now)]
+
+
+def test_a_placement_pass_starts_a_run_and_a_resident_return_releases_its_worker(registry, clock):
+    submit(registry, "r", min_peers=1, max_peers=2)
+    worker(registry, "w1")
+    worker(registry, "w2")
+    seen = []
+    assert place_once(registry, Policy(), clock.now, lambda kind, **f: seen.append((kind, f))) == 3  # resume + 2 assigns
+    run = registry.run("r")
+    assert run["state"] == "running" and run["workers"] == ["w1", "w2"]
+    assert [f["action"] for _, f in seen] == ["resume", "assign", "assign"]
+    assert place_once(registry, Policy(), clock.now, lambda *a, **k: None) == 0  # nothing left to do
+    clock.advance(1)
+    registry.heartbeat("w2", Heartbeat(resident_present=True))
+    place_once(registry, Policy(), clock.now, lambda *a, **k: None)
+    assert registry.run("r")["workers"] == ["w1"] and registry.run("r")["state"] == "running"
+    unassigns = [e for e in registry.events() if e["kind"] == "unassign"]
+    assert [(e["worker_id"], e["detail"]["reason"]) for e in unassigns] == [("w2", "resident returned")]
+
+
+def test_a_run_below_its_minimum_is_paused_and_its_workers_released(registry, clock):
+    submit(registry, "r", min_peers=2, max_peers=2)
+    worker(registry, "w1")
+    worker(registry, "w2")
+    place_once(registry, Policy(), clock.now, lambda *a, **k: None)
+    assert registry.run("r")["state"] == "running"
+    clock.advance(1)
+    registry.heartbeat("w1", Heartbeat(resident_present=True))
+    place_once(registry, Policy(), clock.now, lambda *a, **k: None)
+    run = registry.run("r")
+    assert run["state"] == "paused" and run["workers"] == []
+    states = [(e["detail"]["previous"], e["detail"]["state"]) for e in registry.events() if e["kind"] == "state"]
+    assert states == [("pending", "running"), ("running", "paused")]
+
+
+def test_carry_out_stops_at_a_conflict_and_keeps_a_users_hold(registry, clock):
+    submit(registry, "r")
+    worker(registry, "w1")
+    runs, _, _ = placement_view(registry.pool())
+    registry.user_action("r", "hold", by="alice")  # lands between the loop's read and its write
+    actions = [Resume(run_id="r", reason="capacity"), Assign(worker_id="w1", run_id="r", reason="free")]
+    assert carry_out(registry, actions, runs) == 0
+    assert registry.run("r")["state"] == "held" and registry.run("r")["workers"] == []
+
+
+def test_carry_out_records_each_kind_of_action(registry, clock):
+    submit(registry, "r")
+    worker(registry, "w1")
+    runs, _, _ = placement_view(registry.pool())
+    assert carry_out(registry, [Resume(run_id="r", reason="x"), Assign(worker_id="w1", run_id="r", reason="y")], runs) == 2
+    runs, _, _ = placement_view(registry.pool())
+    assert carry_out(registry, [Pause(run_id="r", reason="p"), Release(worker_id="w1", run_id="r", reason="q")], runs) == 2
+    assert registry.run("r")["state"] == "paused" and registry.run("r")["workers"] == []
+
+
+def test_a_run_that_reached_its_last_step_is_finished(registry, clock):
+    from swarmrun.coordinator.schema import Progress
+
+    submit(registry, "r", total_steps=3)
+    worker(registry, "w1")
+    place_once(registry, Policy(), clock.now, lambda *a, **k: None)
+    registry.report_progress("r", Progress(step=2))
+    assert finished_runs(registry.pool()) == []
+    registry.report_progress("r", Progress(step=3))
+    assert finished_runs(registry.pool()) == ["r"]
+    place_once(registry, Policy(), clock.now, lambda *a, **k: None)
+    assert registry.run("r")["state"] == "finished" and registry.run("r")["workers"] == []
+
+
+async def test_an_agent_learns_the_store_the_leader_and_the_peers_of_its_run(registry, clock):
+    token = registry.add_user("bob")
+    submit(registry, "r", max_peers=2)
+    app = make_app(registry, store="/pool/store")
+    headers = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c", headers=headers) as c:
+        for w in ("w2", "w1"):
+            body = {"worker_id": w, "hostname": "h", "resources": {"cpus": 2}}
+            assert (await c.post("/api/workers/register", json=body)).json()["store"] == "/pool/store"
+        place_once(registry, Policy(), clock.now, lambda *a, **k: None)
+        beat = {"resident_present": False, "peer": {"run_id": "r", "maddr": "/ip4/127.0.0.1/tcp/1/p2p/Qm1"}}
+        first = (await c.post("/api/workers/w1/heartbeat", json=beat)).json()["assignment"]
+        assert first["leader"] == "w1" and first["peers"] == [] and first["state"] == "running"
+        second = (await c.post("/api/workers/w2/heartbeat", json={"resident_present": False})).json()["assignment"]
+        assert second["peers"] == ["/ip4/127.0.0.1/tcp/1/p2p/Qm1"] and second["leader"] == "w1"
+        await c.post("/api/workers/w1/heartbeat", json={"resident_present": False})  # its peer stopped
+        second = (await c.post("/api/workers/w2/heartbeat", json={"resident_present": False})).json()["assignment"]
+        assert second["peers"] == []
+        bad = await c.post("/api/workers/w1/heartbeat", json={"resident_present": False, "peer": {"run_id": "r"}})
+        assert bad.status_code == 422
+
+
+def test_resident_sources(tmp_path):
+    now = [0.0]
+    script = ScriptResident([[30, True], [0, False], [60, False]], clock=lambda: now[0])
+    seen = []
+    for t in (0, 29.9, 30, 59, 61):
+        now[0] = t
+        seen.append(script.present())
+    assert seen == [False, False, True, True, False]
+    flag = FileResident(flag_path(tmp_path))
+    assert not flag.present()
+    flag_path(tmp_path).touch()
+    assert flag.present()
+    (tmp_path / "s.json").write_text(json.dumps([[0, True]]))
+    assert make_resident(f"script:{tmp_path / 's.json'}", tmp_path).present()
+    for bad in ("script:/nonexistent", "nope", "idle:x"):
+        with pytest.raises(UsageError):
+            make_resident(bad, tmp_path)
+
+
+def test_parse_http():
+    assert parse_http("0.0.0.0:8470") == ("0.0.0.0", 8470)
+    assert parse_http("[::1]:80") == ("::1", 80)
+    for bad in ("8470", "host:", ":80", "h:99999"):
+        with pytest.raises(UsageError):
+            parse_http(bad)
+
+
+class _Recorder:
+    def __init__(self):
+        self.seen = []
+
+    def emit(self, kind, **fields):
+        self.seen.append((kind, fields))
+
+
+def _agent(tmp_path, store=None, **config):
+    from swarmrun.coordinator.agent import Agent, AgentConfig
+
+    agent = Agent(AgentConfig(worker_id="w1", state_dir=tmp_path, **config), client=None,
+                  resident=FileResident(flag_path(tmp_path)), events=_Recorder())
+    agent.store = store
+    agent.started = []
+
+    async def start_peer(run_id, args):
+        agent.started.append(args)
+
+    agent.start_peer = start_peer
+    return agent
+
+
+def _assignment(**kw):
+    base = dict(run_id="r", state="running", task="synthetic", task_args={"total_steps": "9"}, peers=[], leader="w1",
+                step=None)
+    return {"assignment": {**base, **kw}}
+
+
+async def test_the_leader_creates_a_new_run_and_the_others_join_a_running_peer(tmp_path):
+    agent = _agent(tmp_path, store=str(tmp_path / "store"))
+    await agent._act(_assignment())
+    assert agent.started == [["r", "--task", "synthetic", "--set", "total_steps=9"]]
+    other = _agent(tmp_path)
+    await other._act(_assignment(leader="w0"))  # not the leader, no peer yet: waits
+    await other._act(_assignment(leader="w0", state="pending"))
+    assert other.started == []
+    await other._act(_assignment(leader="w0", peers=["/ip4/1.2.3.4/tcp/5/p2p/Qm"]))
+    assert other.started == [["r", "--peers", "/ip4/1.2.3.4/tcp/5/p2p/Qm"]]
+
+
+async def test_a_run_with_steps_and_no_snapshot_is_never_restarted_from_its_seed(tmp_path):
+    agent = _agent(tmp_path, store=str(tmp_path / "store"), snapshot_wait=0.0)
+    for _ in range(3):
+        await agent._act(_assignment(step=12))
+    assert agent.started == [] and [k for k, _ in agent.events.seen] == ["waiting"]
+
+
+async def test_a_present_resident_gets_no_peer(tmp_path):
+    agent = _agent(tmp_path)
+    agent.present = True
+    await agent._act(_assignment())
+    assert agent.started == []
+
+
+def test_a_restarted_coordinator_does_not_count_its_own_outage_against_the_workers(registry, clock):
+    submit(registry, "r")
+    worker(registry, "w1")
+    place_once(registry, Policy(), clock.now, lambda *a, **k: None)
+    clock.advance(600)  # the coordinator was down for ten minutes; the agent's peer trained on
+    place_once(registry, Policy(), clock.now, lambda *a, **k: None, up_since=clock.now - 1)
+    assert registry.run("r")["workers"] == ["w1"]
+    place_once(registry, Policy(), clock.now, lambda *a, **k: None)  # without it, the worker would be lost
+    assert registry.run("r")["workers"] == []
+
+
+def _node(*args, env=None):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMRUN_")} | (env or {})
+    return subprocess.run([sys.executable, "-m", "swarmrun.node.cli", *args], env=env, capture_output=True, text=True)
+
+
+def test_pool_commands_exit_codes(tmp_path):
+    assert _node("runs").returncode == 2  # no coordinator given
+    assert _node("runs", "--coordinator", "127.0.0.1:9").returncode == 2  # no token
+    unreachable = _node("runs", "--json", "--coordinator", "127.0.0.1:9", "--token", "t")
+    assert unreachable.returncode == 3 and json.loads(unreachable.stdout.splitlines()[-1])["event"] == "error"
+    assert _node("coordinator", "user", "add", "bad name!", "--state-dir", str(tmp_path)).returncode == 2
+    assert _node("agent", "--stop-timeout", "40", "--coordinator", "x", "--token", "t").returncode == 2
