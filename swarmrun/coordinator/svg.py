@@ -45,11 +45,11 @@ class Bar:
     shade: bool = False
 
 
-def ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    """About ``count`` round tick values covering ``[lo, hi]``."""
+def ticks(lo: float, hi: float, count: int = 5, *, min_step: float = 0.0) -> list[float]:
+    """About ``count`` round tick values covering ``[lo, hi]``, at least ``min_step`` apart (1 for a clock in s)."""
     if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
         return [lo]
-    raw = (hi - lo) / max(1, count)
+    raw = max((hi - lo) / max(1, count), min_step)
     base = 10 ** math.floor(math.log10(raw))
     step = next(m * base for m in (1, 2, 5, 10) if m * base >= raw)
     first = math.ceil(lo / step) * step
@@ -57,7 +57,9 @@ def ticks(lo: float, hi: float, count: int = 5) -> list[float]:
 
 
 def _fmt(value: float) -> str:
-    if value == 0 or 1e-3 <= abs(value) < 1e5:
+    if 1e3 <= abs(value) < 1e7:
+        return f"{value:.0f}"
+    if value == 0 or 1e-3 <= abs(value) < 1e3:
         return f"{value:.4g}"
     return f"{value:.2e}"
 
@@ -83,7 +85,7 @@ def _frame(title: str, x_label: str, y_label: str, xs: tuple[float, float], ys: 
         if ys[0] <= t <= ys[1]:
             out.append(f'<line class="grid" x1="{_L}" x2="{_W - _R}" y1="{sy(t):.1f}" y2="{sy(t):.1f}"/>'
                        f'<text class="tick" x="{_L - 4}" y="{sy(t) + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
-    for t in ticks(*xs):
+    for t in ticks(*xs, min_step=0.0 if x_fmt is _fmt else 1.0):  # another formatter: a clock, in whole seconds
         if xs[0] <= t <= xs[1]:
             out.append(f'<text class="tick" x="{sx(t):.1f}" y="{_H - _B + 14}" text-anchor="middle">{escape(x_fmt(t))}</text>')
     out.append(f'<text class="label" x="{(_W + _L) / 2}" y="{_H - 4}" text-anchor="middle">{escape(x_label)}</text>'
@@ -152,7 +154,7 @@ def timeline(rows: Sequence[str], bars: Sequence[Bar], *, start: float, end: flo
                    f'height="{h}" fill="{fill}" opacity="{0.6 if b.shade else 1}"><title>{escape(b.label)}</title></rect>')
         if not b.shade and x1 - x0 > 8 * len(b.label):
             out.append(f'<text class="barlabel" x="{x0 + 4:.1f}" y="{y + h / 2 + 4}">{escape(b.label)}</text>')
-    for t in ticks(start, end, 6):
+    for t in ticks(start, end, 6, min_step=1.0):
         if start <= t <= end:
             out.append(f'<text class="tick" x="{sx(t):.1f}" y="{height - 8}" text-anchor="middle">{escape(x_fmt(t))}</text>')
     out.append("</svg>")

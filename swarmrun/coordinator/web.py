@@ -90,6 +90,11 @@ def _actions(run_id: str) -> str:
             f'<button type="button" data-action="priority" data-run="{rid}">Set priority</button></section>')
 
 
+def _slug(key: str) -> str:
+    """A fact's name as a CSS class: ``peers min / max`` -> ``peers-min-max`` (tests and styles find it)."""
+    return "-".join("".join(c if c.isalnum() else " " for c in key.lower()).split())
+
+
 def _swatch(colour: str) -> str:
     return f'<span class="swatch" style="background:{colour}" aria-hidden="true"></span>'
 
@@ -173,17 +178,19 @@ def run_fragment(run: dict, series: RunSeries, *, colour: str, assigned: Optiona
     eta = eta_seconds(series.points, run.get("total_steps")) if run.get("state") == "running" else None
     snapshot = ("–" if run.get("snapshot_step") is None else
                 f'step {run["snapshot_step"]} <code>{escape(str(run.get("snapshot_url") or ""))}</code>')
-    facts = [("state", escape(str(run.get("state")))), ("owner", escape(str(run.get("owner", "–")))),
-             ("priority", _num(run.get("priority"))), ("task", escape(str(run.get("task", "–")))),
+    pooled = "owner" in run  # a coordinator's run; a lone swarm's has no owner, priority, bounds nor loss
+    facts = [("state", escape(str(run.get("state")))), ("task", escape(str(run.get("task", "–")))),
              ("step", f'{_num(run.get("step"))} / {_num(run.get("total_steps"))}'),
-             ("peers reported", _num(run.get("peers"))),
-             ("peers min / max", f'{_num(run.get("min_peers"))} / {_num(run.get("max_peers"))}'),
-             ("samples/s", _num(run.get("samples_per_second"))), ("ETA", _duration(eta)),
-             ("last loss", _num(run.get("loss"))), ("snapshot", snapshot)]
+             ("peers reported", _num(run.get("peers"))), ("samples/s", _num(run.get("samples_per_second"))),
+             ("ETA", _duration(eta))]
+    if pooled:
+        facts[1:1] = [("owner", escape(str(run["owner"]))), ("priority", _num(run.get("priority")))]
+        facts += [("peers min / max", f'{_num(run.get("min_peers"))} / {_num(run.get("max_peers"))}'),
+                  ("last loss", _num(run.get("loss"))), ("snapshot", snapshot)]
     if assigned is not None:
         facts.append(("workers", escape(", ".join(assigned) or "none")))
     facts += [(k, escape(str(v))) for k, v in (run.get("accounting") or {}).items()]
-    dl = "".join(f'<dt>{escape(k)}</dt><dd class="{escape(k.split()[0])}">{v}</dd>' for k, v in facts)
+    dl = "".join(f'<dt>{escape(k)}</dt><dd class="{_slug(k)}">{v}</dd>' for k, v in facts)
     events = [f'<tr><td>{_clock_fmt(m.time)}</td><td>{escape(m.label)}</td><td>{_num(m.step)}</td></tr>'
               for m in reversed(series.markers[-30:])]
     return (f'<dl id="facts">{dl}</dl><div class="plots">{_loss_plot(series, colour)}{_time_plots(series, colour)}</div>'
