@@ -39,6 +39,7 @@ from swarmrun.coordinator.schema import check_name
 __all__ = ["POLL_SECONDS", "page_routes", "run_routes", "run_fragment", "shell"]
 
 POLL_SECONDS = 2.0
+PLOT_POINTS = 400  # drawn per plot: more are not seen at 640 px, and each costs the server and the browser
 _STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 _EVENTS_BATCH = 1000
 
@@ -153,8 +154,16 @@ def pool_fragment(runs: list[dict], workers: list[dict], history: History, now: 
     return summary + run_table + worker_table
 
 
+def _thin(points: list, limit: int = PLOT_POINTS) -> list:
+    """At most ``limit`` of ``points``, evenly spaced, the newest always kept."""
+    if len(points) <= limit:
+        return points
+    stride = len(points) / (limit - 1)
+    return [points[int(i * stride)] for i in range(limit - 1)] + [points[-1]]
+
+
 def _loss_plot(series: RunSeries, colour: str) -> str:
-    with_loss = [p for p in series.points if p.loss is not None]
+    with_loss = _thin([p for p in series.points if p.loss is not None])
     by_samples = bool(with_loss) and all(p.samples is not None for p in with_loss)
     points = [(float(p.samples if by_samples else p.step), p.loss) for p in with_loss]
     marks = [] if by_samples else [svg.Mark(s, f"snapshot @{s}", "#0072B2") for s in series.snapshot_steps[-5:]]
@@ -165,8 +174,8 @@ def _loss_plot(series: RunSeries, colour: str) -> str:
 def _time_plots(series: RunSeries, colour: str) -> str:
     marks = [svg.Mark(m.time, m.label, "#D55E00" if m.kind in ("unassign", "resident_return") else "#555555")
              for m in series.markers[-12:] if m.kind != "snapshot"]
-    sps = [(p.time, p.samples_per_second) for p in series.points if p.samples_per_second is not None]
-    peers = [(p.time, float(p.peers)) for p in series.points if p.peers is not None]
+    sps = _thin([(p.time, p.samples_per_second) for p in series.points if p.samples_per_second is not None])
+    peers = _thin([(p.time, float(p.peers)) for p in series.points if p.peers is not None])
     return (svg.plot(sps, title="samples per second over time", x_label="time", y_label="samples/s", colour=colour,
                      marks=marks, x_fmt=_clock_fmt)
             + svg.plot(peers, title="peers over time", x_label="time", y_label="peers", colour=colour, marks=marks,

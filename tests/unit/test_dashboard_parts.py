@@ -87,3 +87,13 @@ def test_swarm_watch_marks_joins_leaves_and_serves_the_run_page():
     page, fragment = asyncio.run(get("/runs/solo")), asyncio.run(get("/ui/runs/solo"))
     assert page.status_code == 200 and 'data-fragment="/ui/runs/solo"' in page.text and "token-form" not in page.text
     assert fragment.status_code == 200 and fragment.text.count("<circle") == 6  # samples/s and peers, 3 points each
+
+
+def test_a_run_page_draws_at_most_plot_points_per_plot_the_newest_included():
+    from swarmrun.coordinator.web import PLOT_POINTS, run_fragment
+
+    s = RunSeries()
+    for i in range(1500):
+        s.add(Point(time=float(i), step=i, loss=1.0 / (i + 1), samples_per_second=10.0, peers=2))
+    out = run_fragment({"run_id": "r", "state": "running", "step": 1499, "total_steps": 3000}, s, colour=svg.colour(0))
+    assert out.count("<circle") == 3 * PLOT_POINTS and "<title>1499: " in out
