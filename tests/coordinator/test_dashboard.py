@@ -195,6 +195,14 @@ def test_pages_show_the_pool_live_and_act_on_it(served, browser, tmp_path):
     keyboard_press(browser, "Hold")
     wait_for(lambda: registry.run("big")["state"] == "held", "the registry to hold the run")
     wait_for(lambda: text(browser, "#facts dd.state") == "held", "the page to show the run held")
+    assert "hold: run big is held" in text(browser, "#status")
+    browser.find_element(By.ID, "priority").send_keys("2")
+    keyboard_press(browser, "Set priority")
+    wait_for(lambda: registry.run("big")["priority"] == 2, "the registry to take the new priority")
+    keyboard_press(browser, "Cancel")
+    wait_for(lambda: registry.run("big")["state"] == "cancelled", "the registry to cancel the run")
+    keyboard_press(browser, "Release")  # a cancelled run cannot be released: the API's refusal is shown
+    wait_for(lambda: "release refused" in text(browser, "#status"), "the refusal in the status line")
 
     browser.get(server.url + "/timeline")
     bars = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "svg.timeline rect.bar"), "the timeline's bars")
