@@ -248,6 +248,7 @@ class _Api:
 def make_app(
     registry: Registry, *, on_change: Callable[[], None] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
     store: str | None = None,
+    pages: bool = False,
 ) -> Starlette:
     """The API as an ASGI app.
 
@@ -257,6 +258,7 @@ def make_app(
             placement loop without it polling.
         max_body_bytes: the largest request body accepted (413 above it).
         store: the pool's snapshot store, handed to agents (each run's snapshots go to ``STORE/RUN_ID``).
+        pages: also serve the dashboard's pages (``coordinator/web.py``) on the same app.
     """
     api = _Api(registry, on_change, max_body_bytes, store)
     routes = [
@@ -271,5 +273,9 @@ def make_app(
         Route("/api/workers/{worker_id}/heartbeat", api.heartbeat, methods=["POST"]),
         Route("/api/events", api.events, methods=["GET"]),
     ]
+    if pages:
+        from swarmrun.coordinator.web import page_routes  # lazy: the dashboard is optional (STYLE 11)
+
+        routes += page_routes(registry)
     handlers = {SwarmrunError: _on_swarmrun_error, HTTPException: _on_http_error, 500: _on_internal_error}
     return Starlette(routes=routes, exception_handlers=handlers)

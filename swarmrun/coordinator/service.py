@@ -161,7 +161,7 @@ async def serve(config: CoordinatorConfig, events) -> None:
 
     registry = Registry(config.db_url)
     wake = asyncio.Event()
-    app = make_app(registry, on_change=wake.set, store=config.store)
+    app = make_app(registry, on_change=wake.set, store=config.store, pages=True)  # the dashboard on the same server
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            lifespan="off", access_log=False))
 

@@ -14,7 +14,7 @@ COMMANDS = {  # command -> (module of swarmrun.node.cli, function(args, events) 
     "invite": ("access", "run_command"), "identity": ("access", "run_command"),
     "coordinator": ("pool", "run_coordinator"), "agent": ("pool", "run_agent"), "submit": ("pool", "run_submit"),
     "runs": ("pool", "run_runs"), "hold": ("pool", "run_action"), "release": ("pool", "run_action"),
-    "cancel": ("pool", "run_action"),
+    "cancel": ("pool", "run_action"), "dashboard": ("dashboard", "run_dashboard"),
 }
 
 
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    from swarmrun.node.cli import access, demo, join, pool, snapshot, status
+    from swarmrun.node.cli import access, dashboard, demo, join, pool, snapshot, status
 
     join.add_parsers(sub)
     demo.add_parser(sub)
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot.add_parsers(sub, epilog=EXIT_CODES, swarm_args=swarm_args)
     access.add_parsers(sub, epilog=EXIT_CODES, swarm_args=swarm_args)
     pool.add_parsers(sub)
+    dashboard.add_parser(sub)
     return p
 
 
