@@ -65,7 +65,9 @@ def test_unreachable_peer_is_exit_3(tmp_path):
     maddr = "/ip4/127.0.0.1/tcp/9/p2p/QmSM14zffYVKVkDgXfxw5DHsNCHBvcDr1tid6F9YJ2KwMA"
     result = run_cli("join", "r1", "--peers", maddr, "--state-dir", str(tmp_path / "s"), "--json", timeout=120)
     assert result.returncode == 3, (result.stdout, result.stderr[-2000:])
-    assert last_event(result)["event"] == "error"
+    error = last_event(result)
+    assert error["event"] == "error" and "none answered" in error["message"]
+    assert "Daemon" not in error["message"] and "bootstrap" not in error["message"]  # not the daemon's own text
 
 
 def test_existing_and_missing_runs_and_another_corpus(tmp_path):

@@ -13,7 +13,7 @@ from hivemind import DHT
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarmrun.node.net.swarm import public_key_bytes, run_validators, subkey_owner, verify_signature
+from swarmrun.node.net.swarm import public_key_bytes, run_validators, subkey_owner, unreachable, verify_signature
 from swarmrun.node.runtime import await_future
 from swarmrun.protocol.access import Revocations, revocation_key
 from swarmrun.protocol.codec import unpack
@@ -124,7 +124,8 @@ async def owner_session(run_id: str, initial_peers: Sequence[str], key: RSAPriva
                                       host_maddrs=list(listen), startup_timeout=15.0,
                                       record_validators=run_validators(key, [run_id]))
     except Exception as e:
-        raise RunNotFound(f"could not reach any of the peers {', '.join(initial_peers)}: {e}") from None
+        logger.debug(f"bootstrap failed: {e!r}")
+        raise RunNotFound(unreachable(initial_peers)) from None
     try:
         signed = await fetch_spec(dht, run_id, timeout=8.0)
         if signed is None:

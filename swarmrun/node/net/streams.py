@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from swarmrun.protocol.transfer import (
-    HEADER_PREFIX,
-    decode_message,
-    frame,
-    header_length,
-)
 import logging
 
-logger = logging.getLogger('swarmrun.streams')
+from swarmrun.protocol.transfer import HEADER_PREFIX, decode_message, frame, header_length
+
+logger = logging.getLogger("swarmrun.transfer")
 
 
 def quiet_dropped_streams(loop: asyncio.AbstractEventLoop) -> None:

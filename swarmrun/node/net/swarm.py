@@ -55,7 +55,7 @@ def parse_maddrs(values: Sequence[str], *, what: str) -> tuple[str, ...]:
         try:
             Multiaddr(value)
         except Exception as e:  # multiaddr raises several unrelated types
-            raise UsageError(f"{what}: {value!r} is not a multiaddr ({e}); expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...") from None
+            raise UsageError(f"{what}: {value!r} is not a multiaddr ({e}); expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/QmXyz... (what the peer printed as it started)") from None
         out.append(value)
     return tuple(out)
 
@@ -156,6 +156,13 @@ def sweep_stale_sockets(tmp: str = "/tmp") -> int:
     return removed
 
 
+def unreachable(peers: Sequence[str]) -> str:
+    """The message of a failed bootstrap: what was tried and what to check, not the daemon's own text (logged
+    with -v)."""
+    return (f"could not reach any of the peers {', '.join(peers)}: none answered; check that a peer of the run is "
+            f"running there, that the address is the one it printed (its /p2p/ id included) and that the port is open")
+
+
 def check_ports_free(listen: Sequence[str]) -> None:
     """p2pd binds with SO_REUSEPORT, so a second peer on a busy ``--listen`` port starts and shares it silently; a
     plain bind of each fixed TCP port first tells a busy one.
@@ -212,5 +219,5 @@ def _classify_start_error(e: Exception, config: SwarmConfig) -> SwarmrunError:
     if "address already in use" in low or "bind" in low:
         return UsageError(f"cannot listen on {', '.join(config.listen)}: address already in use")
     if config.initial_peers and ("failed to connect" in low or "bootstrap" in low or "timeout" in low or "no peers" in low):
-        return RunNotFound(f"could not reach any of the peers {', '.join(config.initial_peers)}: {text.splitlines()[0] if text else type(e).__name__}")
+        return RunNotFound(unreachable(config.initial_peers))
     return SwarmrunError(f"could not start the swarm: {type(e).__name__}: {text.splitlines()[0] if text else ''}")
