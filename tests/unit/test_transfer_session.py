@@ -259,3 +259,24 @@ def test_any_split_of_the_byte_streams_gives_the_same_events(up_cuts, down_cuts)
     got_f = _merge(_joiner_events(split_f, lambda d: _feed(split_f, d, down_cuts)))
     assert got_f == expected_f and expected_f[0] == ManifestReceived(MANIFEST, ENCODED)
     assert received(expected_f) == {i: chunk(i) for i in range(4)} and expected_f[-1] == RefusedEvent("done")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300), st.booleans(), st.booleans())
+def test_arbitrary_bytes_give_events_never_an_exception(data, opened, provider_side):
+    """Whatever a peer sends, either end answers with events (a violation at worst), and holds no more than a
+    bounded header."""
+    if provider_side:
+        end = ProviderSession()
+        if opened:
+            end.receive_data(FetcherSession(FetcherConfig(spec_hash=SPEC, manifest_hash=HASH)).open())
+            end.opened(ENCODED, len(MANIFEST.chunks))
+    else:
+        end = opened_pair()[1] if opened else FetcherSession(FetcherConfig(spec_hash=SPEC, manifest_hash=HASH))
+        if opened:
+            end.get(0)
+        else:
+            end.open()
+    events = end.receive_data(data)
+    assert all(not isinstance(e, ProtocolViolation) for e in events[:-1])
+    assert len(end._buffer) <= MAX_HEADER_BYTES  # noqa: SLF001

@@ -1,6 +1,7 @@
 """State transfer over hivemind P2P binary streams: a provider's server, and a joiner's many-provider fetch.
 
-The pure parts (messages, the plan, which state to choose) are in ``protocol/transfer.py``; this module moves
+The pure parts (messages, the plan, which state to choose) are in ``protocol/transfer.py``, and what each byte of
+a stream means (the provider's and the joiner's ``*Session``) in ``protocol/transfer_session.py``; this module moves
 bytes. A provider serves frozen objects (``FrozenState``: the state of a step, or a step record) by manifest
 hash from this peer's own p2pd (hivemind's ``DHT.replicate_p2p``). A joiner opens one stream per provider
 and keeps a few chunk requests in flight on each; every chunk is verified before it counts.
@@ -214,7 +215,7 @@ class Fetcher:
             self.p2p.call_binary_stream_handler(peer, protocol_name(self.run_id)), self.chunk_timeout)
         session = FetcherSession(FetcherConfig(spec_hash=self.spec_hash, manifest_hash=run.manifest_hash,
                                                credentials=self.credentials, window=self.window))
-        stream = Frames(writer.transport, session)  # before anything is asked, so no byte of an answer is read elsewhere
+        stream = Frames(writer.transport, session)  # before anything is asked: no byte of an answer is read elsewhere
         download: Optional[Download] = None
         try:
             run.set_manifest(await self._open(stream))
