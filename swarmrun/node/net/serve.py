@@ -9,23 +9,24 @@ from dataclasses import dataclass, field
 from typing import Optional
 from hivemind.p2p import P2P
 from swarmrun.protocol.errors import ProtocolError, RemoteProtocolError
-from swarmrun.protocol.transfer import (
-    Chunk,
-    Get,
-    Open,
-    Opened,
-    Refused,
-    protocol_name,
+from swarmrun.protocol.transfer import Open, protocol_name
+from swarmrun.protocol.transfer_session import (
+    ChunkRequested,
+    OpenRequested,
+    ProtocolViolation,
+    ProviderSession,
+    SessionState,
 )
 from swarmrun.node import faults
 from swarmrun.node.state.run import FrozenState
 import logging
 from swarmrun.node.net.fetch import Admit
 from swarmrun.node.net.streams import quiet_dropped_streams
-from swarmrun.node.net.streams import read_header
-from swarmrun.node.net.streams import write_message
+from swarmrun.node.net.streams import send
 
 logger = logging.getLogger('swarmrun.serve')
+
+READ_SIZE = 1 << 16  # a read of a joiner's requests: many gets at once, each a few bytes
 
 
 def admit_open(spec_hash: str, gate=None) -> Admit:
@@ -128,50 +129,25 @@ class StateServer:
 
     # -- the stream handler
     async def _handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One joiner's stream, driving a ``ProviderSession``: it decides what each received byte means and what
+        may be sent; this method reads, answers its events and writes (a chunk's bytes straight from the state)."""
         remote = stream_info.peer_id.to_base58()
+        session = ProviderSession()
         served: Optional[_Served] = None
         try:
-            request = await asyncio.wait_for(read_header(reader), self.chunk_timeout)
-            if not isinstance(request, Open):
-                raise RemoteProtocolError("a transfer starts with open")
-            refusal = self.admit(request, remote)
-            if refusal is not None:
-                if remote not in self._refused_logged:  # logged once per peer, not spammed
-                    self._refused_logged.add(remote)
-                    logger.warning(f"refused state transfer to {remote}: {refusal}")
-                await write_message(writer, Refused(reason=refusal).encode())
-                return
-            if self.sessions >= self.max_sessions:
-                await write_message(writer, Refused(reason="busy", busy=True).encode())
-                return
-            served = self._find(request.manifest_hash)
-            if served is None:
-                await write_message(writer, Refused(reason="not served here (any more)").encode())
-                return
-            self.sessions += 1
-            served.sessions += 1
-            await write_message(writer, Opened(size=len(served.encoded)).encode(), served.encoded)
-            frozen = served.frozen
             while True:
-                try:
-                    message = await asyncio.wait_for(read_header(reader), self.chunk_timeout)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return  # the joiner is done (or gone)
-                if not isinstance(message, Get):
-                    raise RemoteProtocolError("expected get")
-                if not 0 <= message.index < len(frozen.manifest.chunks):
-                    await write_message(writer, Refused(reason=f"no chunk {message.index}").encode())
-                    return
-                data = frozen.chunk(message.index)
-                if faults.delay_seconds("serve") and frozen.manifest.content.get("kind") != "step_record":
-                    await asyncio.sleep(faults.delay_seconds("serve"))
-                if message.index == len(frozen.manifest.chunks) - 1 and faults.hold_steps("serve"):
-                    await self._hold(frozen, faults.hold_steps("serve"))
-                if faults.corrupts("serve", frozen.step):
-                    data = memoryview(bytes(data[:-1]) + bytes([data[-1] ^ 0xFF])) if data.nbytes else data
-                await write_message(writer, Chunk(index=message.index, size=data.nbytes).encode(), data)
-                self.bytes_served += data.nbytes
-                served.last_used = time.monotonic()
+                data = await asyncio.wait_for(reader.read(READ_SIZE), self.chunk_timeout)
+                for event in session.receive_data(data):
+                    if isinstance(event, OpenRequested):
+                        served = await self._open(session, event, remote, writer)
+                    elif isinstance(event, ChunkRequested):
+                        await self._send_chunk(session, served, event.index, writer)
+                    elif isinstance(event, ProtocolViolation) and event.refuse:
+                        await send(writer, session.refuse(event.reason))
+                    elif isinstance(event, ProtocolViolation):
+                        raise RemoteProtocolError(event.reason)
+                if session.state not in (SessionState.OPENING, SessionState.STREAMING):
+                    return  # refused, or the joiner is done (or gone)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass
         except ProtocolError as e:
@@ -184,3 +160,42 @@ class StateServer:
                 served.sessions -= 1
                 served.last_used = time.monotonic()
             writer.close()
+
+    async def _open(self, session: ProviderSession, request: OpenRequested, remote: str,
+                    writer: asyncio.StreamWriter) -> Optional[_Served]:
+        """Admit the joiner and serve the object it names (counted as a session), or refuse; returns what is
+        served, or None when refused."""
+        refusal = self.admit(Open(spec_hash=request.spec_hash, manifest_hash=request.manifest_hash,
+                                  credentials=request.credentials), remote)
+        if refusal is not None:
+            if remote not in self._refused_logged:  # logged once per peer, not spammed
+                self._refused_logged.add(remote)
+                logger.warning(f"refused state transfer to {remote}: {refusal}")
+            await send(writer, session.refuse(refusal))
+            return None
+        if self.sessions >= self.max_sessions:
+            await send(writer, session.refuse("busy", busy=True))
+            return None
+        served = self._find(request.manifest_hash)
+        if served is None:
+            await send(writer, session.refuse("not served here (any more)"))
+            return None
+        self.sessions += 1
+        served.sessions += 1
+        await send(writer, session.opened(served.encoded, len(served.frozen.manifest.chunks)))
+        return served
+
+    async def _send_chunk(self, session: ProviderSession, served: _Served, index: int,
+                          writer: asyncio.StreamWriter) -> None:
+        """Chunk ``index`` (the session checked it is one of the object's): its header, then its bytes."""
+        frozen = served.frozen
+        data = frozen.chunk(index)
+        if faults.delay_seconds("serve") and frozen.manifest.content.get("kind") != "step_record":
+            await asyncio.sleep(faults.delay_seconds("serve"))
+        if index == len(frozen.manifest.chunks) - 1 and faults.hold_steps("serve"):
+            await self._hold(frozen, faults.hold_steps("serve"))
+        if faults.corrupts("serve", frozen.step):
+            data = memoryview(bytes(data[:-1]) + bytes([data[-1] ^ 0xFF])) if data.nbytes else data
+        await send(writer, session.chunk_header(index, data.nbytes), data)
+        self.bytes_served += data.nbytes
+        served.last_used = time.monotonic()

@@ -39,3 +39,11 @@ async def write_message(writer: asyncio.StreamWriter, header: bytes, payload=Non
     if payload is not None:
         writer.write(payload)
     await writer.drain()
+
+
+async def send(writer: asyncio.StreamWriter, data: bytes, payload=None) -> None:
+    """Write bytes a session returned (and a chunk's raw bytes after its header), then wait for the buffer."""
+    writer.write(data)
+    if payload is not None:
+        writer.write(payload)
+    await writer.drain()
