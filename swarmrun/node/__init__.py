@@ -20,7 +20,7 @@ _EXPORTS = {
     "load_task_class": "tasks.base", "available_tasks": "tasks.base", "RunState": "state.run",
     "FrozenState": "state.run", "SnapshotStore": "state.store",
     # building and running a peer
-    "make_spec": "peer.build", "initial_state": "peer.build", "check_run_id": "peer.build",
+    "make_spec": "peer.build", "initial_state": "peer.build",
     "DEFAULT_SEED": "peer.build", "TrainerConfig": "peer.trainer", "JoinOptions": "peer.join",
     "run_peer": "peer.join",
     # the swarm and its records

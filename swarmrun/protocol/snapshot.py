@@ -264,22 +264,32 @@ class PauseTurn:
 def decide_pause_turn(*, now: float, since: float, me: str, candidates: Sequence[str], trainers: Iterable[str],
                       notes: Mapping[str, PauseNote], step: int, takeover_s: float) -> PauseTurn:
     """A paused peer leaves only once a durable snapshot of a step at least its own exists (a pause must never cost
-    committed steps). Candidates write in election order; the one at position k takes over after every peer before
-    it failed (its note says so) or after ``k * takeover_s`` seconds without a snapshot. Peers that have no store of
-    their own come after every candidate (they write to their fallback store in their state dir).
+    committed steps). Candidates write in election order; the one at position k writes once every peer before it
+    failed (its note says so), or after ``k * takeover_s`` seconds without a snapshot while none of them says it is
+    writing. Peers without a store of their own come after every candidate (they write to their state dir).
 
     Args:
-        since: when this peer stopped. notes: the pause notes published so far, by peer id.
+        since: when this peer stopped. notes: the pause notes published so far, by peer id; a note of an older
+            step (an earlier pause) counts for nothing. A note with neither ``where`` nor ``error`` and not ``left``
+            says its writer is writing.
+    Returns:
+        "leave", "write", "wait", or "give_up" when every peer in the order (this one included) failed to write.
     """
-    durable = sorted((n for n in notes.values() if n.where and n.step >= step), key=lambda n: n.step)
+    current = {p: n for p, n in notes.items() if n.step >= step}
+    durable = sorted((n for n in current.values() if n.where), key=lambda n: n.step)
     if durable:
         return PauseTurn("leave", f"a snapshot of step {durable[0].step} exists: {durable[0].where}")
     order = list(candidates) + sorted((set(trainers) | {me}) - set(candidates))
+    failed = {p for p in order if current.get(p) is not None and current[p].error}
+    if failed == set(order):
+        return PauseTurn("give_up", f"every one of the {len(order)} peer(s) failed to write the snapshot")
     ahead = order[:order.index(me)]
-    failed = [p for p in ahead if notes.get(p) is not None and notes[p].error]
-    if len(failed) == len(ahead):
-        why = "this peer is the elected writer" if not ahead else f"{len(failed)} writer(s) before it failed"
+    if all(p in failed for p in ahead):
+        why = "this peer is the elected writer" if not ahead else f"{len(ahead)} writer(s) before it failed"
         return PauseTurn("write", why)
+    writing = [p for p in ahead if p in current and p not in failed and not current[p].left]
+    if writing:
+        return PauseTurn("wait", f"writer {writing[0]} is writing the snapshot")
     if now - since >= len(ahead) * takeover_s:
         return PauseTurn("write", f"no snapshot after {now - since:.0f}s from the {len(ahead)} writer(s) before it")
     return PauseTurn("wait", f"writer {ahead[0]} writes the snapshot")

@@ -112,6 +112,14 @@ def test_the_next_writer_takes_over_after_a_failure_or_a_silence():
     assert _turn("QmB", waited=59.0).action == "wait" and _turn("QmB", waited=60.0).action == "write"
     both = {**failed, "QmC": PauseNote(step=67, left=True, error="denied")}
     assert _turn("QmB", both).action == "write"
+    # a writer that says it is writing is waited for past the takeover time; one of an older pause counts for nothing
+    writing = {"QmA": PauseNote(step=67, left=False)}
+    assert _turn("QmC", writing, waited=300.0).action == "wait"
+    assert _turn("QmC", {"QmA": PauseNote(step=66, left=False)}, waited=30.0).action == "write"
+    assert _turn("QmC", {"QmA": PauseNote(step=66, left=True, error="old")}).action == "wait"
+    # every peer failed: nobody waits for ever
+    everyone = {p: PauseNote(step=67, left=False, error="full") for p in ("QmA", "QmB", "QmC")}
+    assert _turn("QmB", everyone).action == "give_up"
     # no candidate at all (a race with the CLI's check): the peers without a store go in peer-id order
     assert _turn("QmA", candidates=()).action == "write" and _turn("QmB", candidates=()).action == "wait"
 

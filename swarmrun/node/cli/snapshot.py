@@ -305,6 +305,7 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
         record = replace(record, signature=bytes(key.sign(record.unsigned_bytes())))
         deadline = time.monotonic() + timeout
         written = None
+        notes: dict = {}
         published = 0.0
         while time.monotonic() < deadline:
             if time.monotonic() - published > 30:
@@ -313,19 +314,19 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
                 published = time.monotonic()
             notes = {p: n for p, n in (await read_subkeys(dht, paused_key(run_id), PauseNote.decode)).items()
                      if n.step >= record.at_step}
-            for n in notes.values():
-                if n.where or n.error:
-                    written = written if written and written.where else n
+            written = next((n for n in notes.values() if n.where), written)
             live = {p for p, r in (await read_view(dht, run_id)).trainers.items() if not r.finished}
             waiting = {p for p in trainers & live if not (notes.get(p) and notes[p].left)}
             if written is not None and not waiting:
                 break
+            if written is None and trainers and all(notes.get(p) and notes[p].left for p in trainers):
+                errors = sorted({n.error for n in notes.values() if n.error})  # every peer gave up writing
+                raise SwarmrunError(f"run {run_id!r} stopped but no snapshot could be written: {'; '.join(errors)}")
             await asyncio.sleep(0.5)
         else:
+            failed = sorted({n.error for n in notes.values() if n.error}) if notes else []
             raise SwarmrunError(f"run {run_id!r} did not pause within {timeout:g}s "
-                                f"({'no snapshot written' if written is None else 'peers still live'}); is any peer "
-                                f"started with --snapshot-to, or give --to STORE")
-        if not written.where:
-            raise SwarmrunError(f"run {run_id!r} stopped at step {written.step} but wrote no snapshot: {written.error}")
+                                f"({'no snapshot written yet' if written is None else 'peers still live'}"
+                                f"{': ' + '; '.join(failed) if failed else ''})")
         return dict(run_id=run_id, step=written.step, where=written.where, state_hash=written.state_hash,
                     manifest_hash=written.manifest_hash, peers=len(trainers))

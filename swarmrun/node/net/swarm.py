@@ -176,6 +176,7 @@ def check_ports_free(listen: Sequence[str]) -> None:
             continue
         family = socket.AF_INET if parts[0] == "ip4" else socket.AF_INET6
         with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart's TIME_WAIT is not "in use"
             try:
                 s.bind((parts[1], int(parts[3])))
             except OSError as e:

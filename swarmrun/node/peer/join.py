@@ -63,8 +63,21 @@ async def run_peer(opts: JoinOptions, events: Events, *, keep: Optional[dict] = 
         SwarmrunError: with the exit code of the failure.
     """
     _check_options(opts)
-    stop = asyncio.Event()
-    _install_signal_handlers(stop)  # at once: a SIGINT to this pid alone must stop a peer that is still starting
+    signals = LeaveSignals(asyncio.Event())
+    signals.install()  # at once: a SIGINT to this pid alone must stop a peer that is still starting
+    try:
+        return await _run_peer(opts, events, keep, signals)
+    except Exception as e:
+        if not signals.stop.is_set():
+            raise
+        logger.debug(f"while leaving on a signal: {e!r}")  # hivemind's children got the group's signal too
+        return _left_early(events)
+    finally:
+        signals.restore()
+
+
+async def _run_peer(opts: JoinOptions, events: Events, keep: Optional[dict], signals: "LeaveSignals") -> str:
+    stop = signals.stop
     credentials = read_certificate_file(opts.invite) if opts.invite else None
     plan, task_cls = await _local_inputs(opts)
     device = resolve_device(opts.trainer.device)
@@ -77,6 +90,8 @@ async def run_peer(opts: JoinOptions, events: Events, *, keep: Optional[dict] = 
         if stop.is_set():
             return _left_early(events)
         signed, task = await _resolve_spec(opts, dht, key, plan, task_cls)
+        if stop.is_set():
+            return _left_early(events)
         spec = signed.spec
         if spec.owner_key == public_key_bytes(key):
             remember_owned(opts.swarm.state_dir, signed)  # `node invite` from this state dir can tell it owns the run
@@ -88,6 +103,7 @@ async def run_peer(opts: JoinOptions, events: Events, *, keep: Optional[dict] = 
         gate = await _admit_self(spec, dht, key, peer_id, credentials)
         trainer = Trainer(spec=spec, task=task, dht=dht, state=state, events=events, identity=key, gate=gate,
                           config=replace(opts.trainer, device=device), stop_requested=stop)
+        signals.install()  # again: starting hivemind's averager set SIGINT to "ignore" in this process
         events.emit("listening", run_id=spec.run_id, peer_id=peer_id,
                     maddrs=[str(m) for m in dht.get_visible_maddrs()], spec_hash=spec.spec_hash(),
                     task=spec.task, created=opts.task is not None)
@@ -96,11 +112,16 @@ async def run_peer(opts: JoinOptions, events: Events, *, keep: Optional[dict] = 
             await _bootstrap(opts, trainer, plan, events)
         except Stopped:
             return _left_early(events)
+        if stop.is_set():
+            return _left_early(events)
         # a state from a snapshot or from the swarm must count this machine's data (size, fingerprint, seed)
         trainer.state.cursor.check_same_data(expected_cursor)
         side.start()
         reason = await trainer.run()
-        await side.close(reason)
+        try:
+            await side.close(reason)
+        except Exception as e:  # the leave goes on: the `left` event and the exit code say how it ended
+            logger.warning(f"the snapshot side failed while leaving: {type(e).__name__}: {e}")
         _left(trainer, reason, events, keep)
         return reason
     finally:
@@ -227,25 +248,41 @@ async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) 
 LEAVE_GRACE = 30.0  # seconds a peer asked to leave may take before it is made to
 
 
-def _install_signal_handlers(stop: asyncio.Event) -> None:
+class LeaveSignals:
     """SIGINT/SIGTERM: leave gracefully (finish or abandon the round, last report, shutdown). A second signal, or a
     leave that takes longer than ``LEAVE_GRACE`` (a hivemind child killed by a signal to the whole group can
     leave a call hanging), ends the process and its children at once; the run's committed state lives on with
-    the other peers and in snapshots."""
-    loop = asyncio.get_running_loop()
-    signals = {"count": 0}
+    the other peers and in snapshots.
 
-    # a Python-level handler, not loop.add_signal_handler: it runs even when the loop is blocked (a hivemind child
-    # killed by a signal to the whole group can die holding the averaged tensors' lock)
-    def on_signal(signum, frame) -> None:
-        signals["count"] += 1
-        if signals["count"] > 1:
+    A Python-level handler, not ``loop.add_signal_handler``: it runs even when the loop is blocked (a hivemind
+    child killed by a signal to the whole group can die holding the averaged tensors' lock). Processes forked
+    after ``install`` (hivemind's DHT and averager) inherit it: there it falls back to the default action.
+    ``restore`` puts back what was there before (a library caller's own handlers)."""
+
+    def __init__(self, stop: asyncio.Event):
+        self.stop, self.count, self.pid = stop, 0, os.getpid()
+        self.loop = asyncio.get_running_loop()
+        self.previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def install(self) -> None:
+        for sig in self.previous:
+            signal.signal(sig, self._on_signal)
+
+    def restore(self) -> None:
+        if os.getpid() == self.pid:
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+    def _on_signal(self, signum, frame) -> None:
+        if os.getpid() != self.pid:  # a forked hivemind child: die as it would have
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.count += 1
+        if self.count > 1:
             _leave_now("a second signal")
         threading.Thread(target=_watchdog, daemon=True, name="leave-watchdog").start()
-        loop.call_soon_threadsafe(stop.set)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+        self.loop.call_soon_threadsafe(self.stop.set)
 
 
 def _watchdog() -> None:

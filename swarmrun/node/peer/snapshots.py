@@ -23,6 +23,7 @@ from swarmrun.protocol.snapshot import (
     FailureWatch,
     PauseNote,
     PauseRecord,
+    PauseTurn,
     SnapshotPolicy,
     amend_changes,
     decide_pause_turn,
@@ -161,7 +162,8 @@ class SnapshotWriter:
         self.policy = options.policy()
         self.store = SnapshotStore(options.store, keep=self.policy.keep)
         existing = [s for s in self.store.steps()]
-        self.last_step: Optional[int] = None
+        self.last_step: Optional[int] = None  # of the last write attempted (the policy's cadence)
+        self.written_step: Optional[int] = None  # of the newest write that succeeded in this writer's store
         self.last_time: Optional[float] = None
         self.cost_s: Optional[float] = None
         self.failures = FailureWatch(started=time.monotonic())
@@ -209,6 +211,8 @@ class SnapshotWriter:
             logger.warning(str(e))
             self.events.emit("snapshot_failed", step=frozen.step, message=str(e))
             return None
+        if store is self.store:
+            self.written_step = max(self.written_step or 0, result.step)  # durable in this writer's own store
         self.cost_s = result.seconds if self.cost_s is None else 0.7 * self.cost_s + 0.3 * result.seconds
         self.events.emit("snapshot", step=result.step, where=result.where, seconds=round(result.seconds, 3),
                          chunks_written=result.chunks_written, chunks_reused=result.chunks_reused,
@@ -230,7 +234,7 @@ class SnapshotWriter:
     async def write_now(self, frozen: FrozenState, reason: str, store: Optional[SnapshotStore] = None) -> Optional[WriteResult]:
         """Write this state now (pause, last peer leaving), after any write in flight."""
         await self.flush()
-        if store is None and self.last_step is not None and self.last_step >= frozen.step:
+        if store is None and self.written_step is not None and self.written_step >= frozen.step:
             return WriteResult(step=frozen.step, where=f"{self.store.url}@{frozen.step}", chunks_written=0,
                                chunks_reused=len(frozen.manifest.chunks), bytes_written=0, seconds=0.0, dropped=())
         return await self._write(frozen, reason, store)
@@ -332,8 +336,6 @@ class SnapshotSide:
         """The state this peer stopped at (a round in flight when the pause came may have committed one more
         step, on all its participants alike) is written by the elected writer, or by the next one if it fails;
         this peer says it left only once a durable snapshot of its step exists (``decide_pause_turn``)."""
-        from swarmrun.node.net.records import read_subkeys
-
         t = self.trainer
         frozen = t.frozen
         stores = {p: r.snapshots for p, r in t.view.trainers.items() if not r.finished}
@@ -342,28 +344,40 @@ class SnapshotSide:
         since = time.monotonic()
         mine: Optional[PauseNote] = None
         while time.monotonic() - since < PAUSE_GIVE_UP:
-            try:
-                notes = await read_subkeys(t.dht, paused_key(t.spec.run_id), PauseNote.decode)
-            except Exception as e:
-                logger.debug(f"could not read the pause notes: {e!r}")
-                notes = {}
+            notes = await self._read_notes()
             if mine is not None:
                 notes[t.peer_id] = mine
             turn = decide_pause_turn(now=time.monotonic(), since=since, me=t.peer_id, candidates=candidates,
                                      trainers=stores, notes=notes, step=frozen.step, takeover_s=PAUSE_TAKEOVER)
-            if turn.action == "leave":
-                logger.info(f"leaving the paused run: {turn.reason}")
-                return PauseNote(step=frozen.step, left=True)
+            if not t.dht.is_alive() and mine is None:  # no swarm left to ask or to tell: write, then leave
+                turn = PauseTurn("write", "this peer's DHT is gone")
+            if turn.action in ("leave", "give_up"):
+                (logger.info if turn.action == "leave" else logger.error)(f"leaving the paused run: {turn.reason}")
+                return PauseNote(step=frozen.step, left=True, error=mine.error if mine is not None else "")
             if turn.action == "write" and mine is None:
                 logger.info(f"writing the pause snapshot of step {frozen.step}: {turn.reason}")
+                await self._note(PauseNote(step=frozen.step, left=False))  # "writing": the others wait for it
                 mine = await self._write_pause(frozen)
                 if mine.where:
                     return mine
-                await self._note(mine)  # the next writer takes over at once
+                await self._note(mine)  # failed: the next writer takes over at once
             await asyncio.sleep(0.5)
         logger.error(f"leaving the paused run after {PAUSE_GIVE_UP:.0f}s without a durable snapshot of step "
                      f"{frozen.step}: every write failed (see above)")
-        return mine or PauseNote(step=frozen.step, left=True, error="no snapshot could be written")
+        return PauseNote(step=frozen.step, left=True, error=mine.error if mine else "no snapshot could be written")
+
+    async def _read_notes(self) -> dict:
+        from swarmrun.node.net.records import read_subkeys
+
+        t = self.trainer
+        if not t.dht.is_alive():
+            return {}
+        try:
+            return await asyncio.wait_for(read_subkeys(t.dht, paused_key(t.spec.run_id), PauseNote.decode),
+                                          FRESH_VIEW_TIMEOUT)
+        except Exception as e:
+            logger.debug(f"could not read the pause notes: {e!r}")
+            return {}
 
     async def _write_pause(self, frozen: FrozenState) -> PauseNote:
         """Write to the pause's store, else this peer's own, else its fallback store in its state dir."""
@@ -374,7 +388,7 @@ class SnapshotSide:
             if result is not None:
                 return PauseNote(step=frozen.step, left=True, where=result.where,
                                  state_hash=frozen.manifest.state_hash(), manifest_hash=frozen.manifest.manifest_hash())
-        return PauseNote(step=frozen.step, left=True, error="the snapshot could not be written (see the peer's log)")
+        return PauseNote(step=frozen.step, left=False, error="the snapshot could not be written (see the peer's log)")
 
     async def write_to(self, frozen: FrozenState, reason: str, url: str) -> Optional[WriteResult]:
         """Write ``frozen`` to the store at ``url`` now (through this peer's writer when it has one)."""

@@ -105,7 +105,7 @@ class Trainer:
         self.snapshots = False  # this peer has a snapshot store (set by its SnapshotSide; reported to the others)
         self.samples_per_second = 0.0
         self.step_seconds: Optional[float] = None  # mean wall time of a committed step (EMA), for the ETA
-        self._last_commit: Optional[float] = None
+        self._last_commit: Optional[tuple[float, int]] = None  # (when, step) of the last commit
         self.last_loss: Optional[float] = None
         self.failed_rounds = 0
         self.stats = dict(steps_committed=0, rounds_abandoned=0, resyncs=0)
@@ -390,9 +390,10 @@ class Trainer:
     def _after_commit(self) -> None:
         now = time.monotonic()
         if self._last_commit is not None:  # wall time a step takes, rounds included (what an ETA must count)
-            dt = now - self._last_commit
+            at, step = self._last_commit
+            dt = (now - at) / max(1, self.state.step - step)  # a re-sync in between advanced several steps
             self.step_seconds = dt if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * dt
-        self._last_commit = now
+        self._last_commit = (now, self.state.step)
         self.served.publish()
         for hook in list(self.commit_hooks):
             try:
