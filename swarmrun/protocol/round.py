@@ -218,6 +218,27 @@ class Vote:
                    ok=d["ok"], reason=str_field(d, "reason", 200), live=int_field(d, "live", 0, 1 << 20) if "live" in d else 0)
 
 
+def round_votes(votes: Mapping[str, Vote], *, group: Sequence[str], group_id: str, step: int) -> dict[str, Vote]:
+    """The votes that count in one round: cast by a member of its group (the signer of the vote's subkey is in
+    ``group``) for this round (its group id and step). A stranger's vote, or one of an earlier attempt at the same
+    step by another group, is not a vote here: it never ends a member's wait and never abandons the round.
+
+    Args:
+        votes: every signed vote read under the step's vote key, by the peer id that signed it.
+        group: peer ids of the round's participants; group_id: the round's group id (hex).
+    """
+    members = set(group)
+    return {p: v for p, v in votes.items() if p in members and v.group_id == group_id and v.step == step}
+
+
+def vote_wait_over(*, mine: Vote, votes: Mapping[str, Vote], group: Sequence[str]) -> bool:
+    """Whether a member may stop waiting for votes: its own is not ok, every member voted, or a member voted not ok.
+    ``votes`` must already be ``round_votes`` (a stranger's ``ok=False`` must not end the wait)."""
+    if not mine.ok or all(p in votes for p in group):
+        return True
+    return any(not v.ok for p, v in votes.items() if p in group)
+
+
 @dataclass(frozen=True)
 class Commit:
     pass

@@ -213,3 +213,26 @@ def test_two_groups_with_partial_views_cannot_both_commit():
 
     old = pack({k: v for k, v in unpack(b["c"].encode()).items() if k != "live"})
     assert Vote.decode(old).live == 0
+
+
+def test_votes_count_only_from_members_of_the_round():
+    from swarmrun.protocol.round import round_votes, vote_wait_over
+
+    group = ["a", "b"]
+    mine = vote(group="g1")
+    seen = {"a": mine, "stranger": vote(ok=False, group="g1"), "c": vote(ok=False, group="g0"),
+            "b": vote(group="g0")}  # b's vote of an earlier attempt at this step (another group)
+    counted = round_votes(seen, group=group, group_id="g1", step=0)
+    assert counted == {"a": mine}
+    # a stranger's ok=False never ends a member's wait, never abandons the round
+    assert not vote_wait_over(mine=mine, votes=counted, group=group)
+    counted = round_votes({**seen, "b": vote(group="g1")}, group=group, group_id="g1", step=0)
+    assert vote_wait_over(mine=mine, votes=counted, group=group)
+    assert decide_commit(mine=mine, votes=counted, group=group, live_trainers=2, samples=64,
+                         target_batch_size=64) == Commit()
+    # a member's ok=False does end the wait; so does my own
+    failed = round_votes({**seen, "b": vote(ok=False, group="g1")}, group=group, group_id="g1", step=0)
+    assert vote_wait_over(mine=mine, votes=failed, group=group)
+    assert vote_wait_over(mine=vote(ok=False, group="g1"), votes={}, group=group)
+    # a vote for another step under the same key slot is not counted
+    assert round_votes({"b": vote(step=256, group="g1")}, group=group, group_id="g1", step=0) == {}
