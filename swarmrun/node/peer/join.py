@@ -174,6 +174,7 @@ def _snapshot_side(opts: JoinOptions, trainer: Trainer, signed: SignedSpec, plan
     if opts.snapshot is not None:
         writer = SnapshotWriter(trainer, options=opts.snapshot, signed=signed, history=history, events=events)
     return SnapshotSide(trainer=trainer, signed=signed, history=history, events=events, writer=writer,
+                        subkey=trainer.subkey,
                         started_step=trainer.state.step,
                         fallback_store=str(opts.swarm.state_dir / "snapshots" / signed.spec.run_id))
 

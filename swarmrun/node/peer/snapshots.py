@@ -32,6 +32,7 @@ from swarmrun.protocol.snapshot import (
     parse_every,
     pause_key,
     paused_key,
+    trainer_notes,
     writer_candidates,
 )
 from swarmrun.protocol.spec import SignedSpec, Spec, amend
@@ -254,6 +255,7 @@ class SnapshotSide:
     events: object
     writer: Optional[SnapshotWriter] = None
     fallback_store: str = ""  # where a peer without --snapshot-to writes when a pause or its leaving needs it
+    subkey: bytes = b""  # this peer's signed subkey (``Trainer.subkey``): its pause notes carry its signature
     started_step: int = 0
     started_time: float = field(default_factory=get_dht_time)
     pause: Optional[PauseRecord] = None
@@ -342,7 +344,9 @@ class SnapshotSide:
         mine: Optional[PauseNote] = None
         while time.monotonic() - since < PAUSE_GIVE_UP:
             try:
-                notes = await read_subkeys(t.dht, paused_key(t.spec.run_id), PauseNote.decode)
+                # only trainers' signed notes count: a stranger's "left" or "written to" is no trainer's word
+                notes = trainer_notes(await read_subkeys(t.dht, paused_key(t.spec.run_id), PauseNote.decode,
+                                                         signed=True), trainers=set(stores) | {t.peer_id})
             except Exception as e:
                 logger.debug(f"could not read the pause notes: {e!r}")
                 notes = {}
@@ -391,7 +395,7 @@ class SnapshotSide:
     async def _note(self, note: PauseNote) -> None:
         try:
             await store_record(self.trainer.dht, paused_key(self.trainer.spec.run_id), note.encode(), NOTE_TTL,
-                         subkey=self.trainer.peer_id)
+                               subkey=self.subkey)
         except Exception as e:
             logger.warning(f"could not publish the pause note: {e!r}")
 

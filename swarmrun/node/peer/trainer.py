@@ -93,7 +93,7 @@ class Trainer:
         self.peer_id = dht.peer_id.to_base58()
         # this peer's DHT records (progress, votes, provider records) are signed with its identity (its p2pd key):
         # no one writes in its name
-        subkey = signed_subkey(record_validator(identity), self.peer_id)
+        self.subkey = subkey = signed_subkey(record_validator(identity), self.peer_id)
         self.device = torch.device(config.device)
         self.params = [p for p in state.model.parameters()]
         self.samples = 0  # samples accumulated toward the next step
