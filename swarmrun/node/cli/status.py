@@ -46,7 +46,7 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
         spec = signed.spec
         # the run's data accounting, from the cursor of the newest state (None for each key if no peer reports it)
         accounting = run_accounting(view) or {}
-        records = await read_providers(dht, run_id)
+        records = await read_providers(dht, run_id, gate)
         providers = [dict(peer_id=p, step=r.step, manifest_hash=r.manifest_hash, state_hash=r.state_hash,
                           mib=round(r.total_bytes / 2**20, 2), keeper=r.keeper, serving=r.serving,
                           step_records=len(r.log), age_s=round(max(0.0, now - r.time), 1))

@@ -55,10 +55,10 @@ async def read_view(dht: DHT, run_id: str, gate=None) -> SwarmView:
     return SwarmView(reports=reports)
 
 
-async def read_providers(dht: DHT, run_id: str) -> dict[str, ProviderRecord]:
+async def read_providers(dht: DHT, run_id: str, gate=None) -> dict[str, ProviderRecord]:
     """The live provider records of a run, by peer id: only records signed by the peer they name (hivemind's
-    validator checked the signature; ``subkey_owner`` that the key is that peer's identity); malformed ones
-    are ignored."""
+    validator checked the signature; ``subkey_owner`` that the key is that peer's identity) and, in an invite-only
+    run, carrying a certificate the gate admits (as ``read_view``); malformed ones are ignored."""
     found = await await_future(dht.get(providers_key(run_id), latest=True, return_future=True))
     out = {}
     if found is not None and isinstance(found.value, dict):
@@ -70,6 +70,8 @@ async def read_providers(dht: DHT, run_id: str) -> dict[str, ProviderRecord]:
                 out[owner] = ProviderRecord.decode(item.value)
             except (ProtocolError, AttributeError, TypeError):
                 continue
+    if gate is not None and gate.spec.access != "open":
+        out = {p: r for p, r in out.items() if gate.check(p, r.certificate) is None}
     return out
 
 

@@ -75,7 +75,8 @@ class CatchUp:
             if not self.dht.is_alive():
                 raise SwarmrunError("hivemind's DHT process died; leaving")
             await self.reporter.refresh()
-            records = {p: r for p, r in (await read_providers(self.dht, self.spec.run_id)).items() if p != self.peer_id}
+            records = {p: r for p, r in (await read_providers(self.dht, self.spec.run_id, self.served.gate)).items()
+                       if p != self.peer_id}
             if not records and not any(p != self.peer_id for p in self.reporter.view.reports):
                 last_error = "no peer of the run answered"  # a DHT read can miss under load: ask again
                 await asyncio.sleep(self.config.report_interval)

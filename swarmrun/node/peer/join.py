@@ -188,8 +188,8 @@ async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) 
                     cursor=state.cursor.summary(), amended=plan.changes)
     if opts.task is not None or plan is not None:
         return
-    view = await read_view(trainer.dht, trainer.spec.run_id)
-    if view.reports or await read_providers(trainer.dht, trainer.spec.run_id):
+    view = await read_view(trainer.dht, trainer.spec.run_id, trainer.gate)
+    if view.reports or await read_providers(trainer.dht, trainer.spec.run_id, trainer.gate):
         t0 = time.perf_counter()
         how = await trainer.catch_up(deadline=time.monotonic() + opts.trainer.state_timeout)
         events.emit("bootstrapped", step=state.step, state_hash=trainer.state_hash,

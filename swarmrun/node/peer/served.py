@@ -79,7 +79,8 @@ class ServedState:
         return ProviderRecord(step=self.state.step, manifest_hash=self.frozen.manifest.manifest_hash(),
                               state_hash=self.state_hash, total_bytes=self.frozen.manifest.total_bytes,
                               time=get_dht_time(), keeper=role == Role.KEEPER,
-                              serving=self.server.sessions, log=self.server.announced_log())
+                              serving=self.server.sessions, log=self.server.announced_log(),
+                              certificate=self.gate.credentials or b"")
 
     async def stop(self) -> None:
         if self.server is not None and self.dht.is_alive():
