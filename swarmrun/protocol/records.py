@@ -139,7 +139,7 @@ class RecordSchema:
 
 # fmt: off
 _SCHEMAS = (
-    RecordSchema(name="spec", key=spec_key, decode=_bytes_message(SignedSpec.decode), subkey=SubkeyKind.NONE,
+    RecordSchema(name="spec", key=spec_key, decode=_bytes_message(SignedSpec.decode), subkey=SubkeyKind.SIGNED,
                  ttl=120.0, max_bytes=MAX_SPEC_SIZE, run_of=lambda m: m.spec.run_id),
     RecordSchema(name="providers", key=providers_key, decode=_bytes_message(ProviderRecord.decode),
                  subkey=SubkeyKind.SIGNED, ttl=300.0, max_bytes=MAX_RECORD_BYTES),

@@ -20,7 +20,7 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
     from hivemind import DHT  # only here: the command's usage errors come before hivemind's import
     from hivemind.utils.timed_storage import get_dht_time
 
-    from swarmrun.node.net.records import fetch_spec, read_providers, read_view
+    from swarmrun.node.net.records import anchor_ids, fetch_spec, read_providers, read_view
     from swarmrun.node.net.swarm import run_validators
 
     try:
@@ -30,7 +30,7 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
     except Exception as e:
         raise RunNotFound(f"could not reach any of the peers {', '.join(initial_peers)}: {e}") from None
     try:
-        signed = await fetch_spec(dht, run_id, timeout=timeout)
+        signed = await fetch_spec(dht, run_id, timeout=timeout, anchors=anchor_ids(initial_peers))
         if signed is None:
             raise RunNotFound(f"run {run_id!r} was not found at the given peers")
         from swarmrun.node.peer.access import AccessGate
