@@ -32,7 +32,7 @@ from swarmrun.node.state.run import FrozenState, RunState
 from swarmrun.node.state.steps import make_step_record
 from swarmrun.node.tasks.base import Task, batch_len, batch_to
 from swarmrun.protocol.cursor import RangeSet
-from swarmrun.protocol.errors import IncompatibleState, Stopped, SwarmrunError
+from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, Stopped, SwarmrunError
 from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE
 from swarmrun.protocol.round import (
     Commit,
@@ -191,7 +191,7 @@ class Trainer:
                 # provider still serves it
                 try:
                     await self.catch_up(deadline=time.monotonic() + min(20.0, self.config.state_timeout))
-                except IncompatibleState as e:
+                except (IncompatibleState, CatchUpFailed) as e:
                     logger.warning(f"the run finished; leaving at step {self.state.step}: {e}")
             self.finished = True
             await self._serve_laggards()
