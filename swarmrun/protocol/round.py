@@ -437,3 +437,39 @@ def accumulation_cap(view: SwarmView, *, me: str, step: int, samples_per_second:
     total = sum(rates.values())
     share = samples_per_second / total if total > 0 and samples_per_second > 0 else 1.0 / len(rates)
     return max(1, int(slack * target_batch_size * share + 0.999))
+
+
+#: report TTLs a vanished trainer must stay silent before a peer may count it gone (see ``may_step_alone``)
+SOLO_QUIET_TTLS = 3
+
+
+def may_step_alone(now: float, *, me: str, last_seen: Mapping[str, float], left: Sequence[str], report_ttl: float,
+                   peak_live: int, quiet_ttls: int = SOLO_QUIET_TTLS) -> tuple[bool, str]:
+    """Whether a trainer that sees no other live trainer may commit a step alone (the evidence rule of a solo
+    commit): records simply vanishing is not evidence that the others left, since a partition or a stranger's
+    record flood looks the same from inside.
+
+    It may when every other trainer it saw either said it left (its last report had ``left``/``finished``) or has
+    been silent for ``quiet_ttls`` report TTLs; and never while its own view lost a majority suddenly: if the
+    trainers that vanished without saying so were at least half of ``peak_live`` (its high-water mark of live
+    trainers), it waits for them (or for the owner's pause / ``--min-peers`` decision) however long they are silent
+    — unless they have been silent for ``4 * quiet_ttls`` TTLs, after which a crashed majority is taken as gone.
+
+    Args:
+        last_seen: when this peer last saw each trainer live (its DHT time), itself excluded or not.
+        left: trainers whose last report said they left or finished.
+        peak_live: the most trainers this peer saw live at once since its last solo-free commit (itself included).
+    Returns:
+        (allowed, the reason).
+    """
+    gone_quietly = set(left)
+    vanished = {p: now - t for p, t in last_seen.items() if p != me and p not in gone_quietly}
+    recent = {p: age for p, age in vanished.items() if age < quiet_ttls * report_ttl}
+    if recent:
+        return False, f"{len(recent)} trainer(s) vanished within {quiet_ttls} report TTLs without saying they left"
+    if 2 * len(vanished) >= max(peak_live, 1) and vanished:
+        if min(vanished.values()) < 4 * quiet_ttls * report_ttl:
+            return False, (f"{len(vanished)} of {peak_live} trainers vanished without saying they left: a partition "
+                           f"looks the same; waiting for them")
+        return True, f"the {len(vanished)} vanished trainers have been silent for {4 * quiet_ttls} report TTLs"
+    return True, "every other trainer said it left, or a minority vanished long ago"
