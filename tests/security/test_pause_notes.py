@@ -37,9 +37,9 @@ def _publish_run(trainer: DHT, tkey, owner: RSAPrivateKey) -> bytes:
     spec = Spec(run_id=RUN, task="synthetic", task_version="1", task_args={}, seed=0, data_fingerprint="x",
                 num_examples=1024, owner_key=public_key_bytes(owner),
                 hparams={"lr": 0.1, "target_batch_size": 64, "total_steps": 100, "block_size": 8})
-    assert trainer.store(spec_key(RUN), SignedSpec.sign(spec, owner.sign).encode(),
-                         expiration_time=get_dht_time() + SPEC_TTL)
     subkey = signed_subkey(record_validator(tkey), trainer.peer_id.to_base58())
+    assert trainer.store(spec_key(RUN), SignedSpec.sign(spec, owner.sign).encode(),
+                         expiration_time=get_dht_time() + SPEC_TTL, subkey=subkey)  # as every peer publishes it
     report = ProgressReport(step=3, samples=0, samples_per_second=1.0, role=Role.TRAINER, state_hash="a" * 64,
                             time=get_dht_time(), snapshots=True)
     assert trainer.store(progress_key(RUN), report.encode(), expiration_time=get_dht_time() + 60, subkey=subkey)
