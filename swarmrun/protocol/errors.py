@@ -15,6 +15,7 @@ __all__ = [
     "SwarmrunError",
     "UsageError",
     "RunNotFound",
+    "CatchUpFailed",
     "AccessRefused",
     "IncompatibleState",
     "ProtocolError",
@@ -39,6 +40,14 @@ class UsageError(SwarmrunError):
 
 class RunNotFound(SwarmrunError):
     """No spec, provider or snapshot could be found for the run."""
+
+    exit_code = 3
+
+
+class CatchUpFailed(SwarmrunError):
+    """A joiner could not get a verified state of the swarm in time, though the run exists (its providers went away,
+    replaced what they announced faster than it could be fetched, or could not be reached): not a corrupt or
+    incompatible state."""
 
     exit_code = 3
 

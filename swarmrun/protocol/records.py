@@ -58,7 +58,7 @@ class SubkeyKind(enum.Enum):
     """Who may write a record under a key."""
 
     NONE = "none"  # a plain value, no subkeys (anyone: the value must carry its own proof, e.g. a signed spec)
-    PEER = "peer"  # a subkey per peer naming it, unsigned (hivemind's matchmaking; today's pause notes)
+    PEER = "peer"  # a subkey per peer naming it, unsigned (hivemind's matchmaking declarations)
     SIGNED = "signed"  # a subkey per peer, ``<peer id>[owner:<its key>]``: only that peer writes it
     OWNER = "owner"  # one subkey ``[owner:<key>]``: only the holder of that key (the run's owner) writes it
 
@@ -139,7 +139,7 @@ class RecordSchema:
 
 # fmt: off
 _SCHEMAS = (
-    RecordSchema(name="spec", key=spec_key, decode=_bytes_message(SignedSpec.decode), subkey=SubkeyKind.NONE,
+    RecordSchema(name="spec", key=spec_key, decode=_bytes_message(SignedSpec.decode), subkey=SubkeyKind.SIGNED,
                  ttl=120.0, max_bytes=MAX_SPEC_SIZE, run_of=lambda m: m.spec.run_id),
     RecordSchema(name="providers", key=providers_key, decode=_bytes_message(ProviderRecord.decode),
                  subkey=SubkeyKind.SIGNED, ttl=300.0, max_bytes=MAX_RECORD_BYTES),
@@ -151,7 +151,7 @@ _SCHEMAS = (
                  subkey=SubkeyKind.OWNER, ttl=MAX_TTL, max_bytes=MAX_REVOCATION_BYTES, run_of=lambda m: m.run_id),
     RecordSchema(name="pause", key=pause_key, decode=_bytes_message(PauseRecord.decode), subkey=SubkeyKind.NONE,
                  ttl=120.0, max_bytes=1 << 14, run_of=lambda m: m.run_id),
-    RecordSchema(name="paused", key=paused_key, decode=_bytes_message(PauseNote.decode), subkey=SubkeyKind.PEER,
+    RecordSchema(name="paused", key=paused_key, decode=_bytes_message(PauseNote.decode), subkey=SubkeyKind.SIGNED,
                  ttl=300.0, max_bytes=1 << 13),
     RecordSchema(name="history", key=history_key, decode=_bytes_message(decode_history), subkey=SubkeyKind.NONE,
                  ttl=120.0, max_bytes=1 << 20),

@@ -218,6 +218,27 @@ class Vote:
                    ok=d["ok"], reason=str_field(d, "reason", 200), live=int_field(d, "live", 0, 1 << 20) if "live" in d else 0)
 
 
+def round_votes(votes: Mapping[str, Vote], *, group: Sequence[str], group_id: str, step: int) -> dict[str, Vote]:
+    """The votes that count in one round: cast by a member of its group (the signer of the vote's subkey is in
+    ``group``) for this round (its group id and step). A stranger's vote, or one of an earlier attempt at the same
+    step by another group, is not a vote here: it never ends a member's wait and never abandons the round.
+
+    Args:
+        votes: every signed vote read under the step's vote key, by the peer id that signed it.
+        group: peer ids of the round's participants; group_id: the round's group id (hex).
+    """
+    members = set(group)
+    return {p: v for p, v in votes.items() if p in members and v.group_id == group_id and v.step == step}
+
+
+def vote_wait_over(*, mine: Vote, votes: Mapping[str, Vote], group: Sequence[str]) -> bool:
+    """Whether a member may stop waiting for votes: its own is not ok, every member voted, or a member voted not ok.
+    ``votes`` must already be ``round_votes`` (a stranger's ``ok=False`` must not end the wait)."""
+    if not mine.ok or all(p in votes for p in group):
+        return True
+    return any(not v.ok for p, v in votes.items() if p in group)
+
+
 @dataclass(frozen=True)
 class Commit:
     pass
@@ -416,3 +437,39 @@ def accumulation_cap(view: SwarmView, *, me: str, step: int, samples_per_second:
     total = sum(rates.values())
     share = samples_per_second / total if total > 0 and samples_per_second > 0 else 1.0 / len(rates)
     return max(1, int(slack * target_batch_size * share + 0.999))
+
+
+#: report TTLs a vanished trainer must stay silent before a peer may count it gone (see ``may_step_alone``)
+SOLO_QUIET_TTLS = 3
+
+
+def may_step_alone(now: float, *, me: str, last_seen: Mapping[str, float], left: Sequence[str], report_ttl: float,
+                   peak_live: int, quiet_ttls: int = SOLO_QUIET_TTLS) -> tuple[bool, str]:
+    """Whether a trainer that sees no other live trainer may commit a step alone (the evidence rule of a solo
+    commit): records simply vanishing is not evidence that the others left, since a partition or a stranger's
+    record flood looks the same from inside.
+
+    It may when every other trainer it saw either said it left (its last report had ``left``/``finished``) or has
+    been silent for ``quiet_ttls`` report TTLs; and never while its own view lost a majority suddenly: if the
+    trainers that vanished without saying so were at least half of ``peak_live`` (its high-water mark of live
+    trainers), it waits for them (or for the owner's pause / ``--min-peers`` decision) however long they are silent
+    — unless they have been silent for ``4 * quiet_ttls`` TTLs, after which a crashed majority is taken as gone.
+
+    Args:
+        last_seen: when this peer last saw each trainer live (its DHT time), itself excluded or not.
+        left: trainers whose last report said they left or finished.
+        peak_live: the most trainers this peer saw live at once since its last solo-free commit (itself included).
+    Returns:
+        (allowed, the reason).
+    """
+    gone_quietly = set(left)
+    vanished = {p: now - t for p, t in last_seen.items() if p != me and p not in gone_quietly}
+    recent = {p: age for p, age in vanished.items() if age < quiet_ttls * report_ttl}
+    if recent:
+        return False, f"{len(recent)} trainer(s) vanished within {quiet_ttls} report TTLs without saying they left"
+    if 2 * len(vanished) >= max(peak_live, 1) and vanished:
+        if min(vanished.values()) < 4 * quiet_ttls * report_ttl:
+            return False, (f"{len(vanished)} of {peak_live} trainers vanished without saying they left: a partition "
+                           f"looks the same; waiting for them")
+        return True, f"the {len(vanished)} vanished trainers have been silent for {4 * quiet_ttls} report TTLs"
+    return True, "every other trainer said it left, or a minority vanished long ago"

@@ -21,7 +21,7 @@ from swarmrun.protocol.manifest import MAX_MANIFEST_SIZE, Manifest
 __all__ = [
     "SNAPSHOT_VERSION", "SnapshotRecord", "Amendment", "PauseRecord", "PauseNote", "AMENDABLE",
     "parse_store_ref", "record_path", "step_of_record_path", "retained", "writer_candidates", "elect_writer", "PauseTurn", "decide_pause_turn",
-    "young_daly_interval", "estimate_mtbf", "SnapshotPolicy", "decide_snapshot", "pause_key", "paused_key",
+    "young_daly_interval", "trainer_notes", "estimate_mtbf", "SnapshotPolicy", "decide_snapshot", "pause_key", "paused_key",
     "history_key", "parse_every", "SnapshotDecision", "amend_changes", "FailureWatch",
 ]
 
@@ -293,6 +293,18 @@ def decide_pause_turn(*, now: float, since: float, me: str, candidates: Sequence
     if now - since >= len(ahead) * takeover_s:
         return PauseTurn("write", f"no snapshot after {now - since:.0f}s from the {len(ahead)} writer(s) before it")
     return PauseTurn("wait", f"writer {ahead[0]} writes the snapshot")
+
+
+def trainer_notes(notes: Mapping[str, PauseNote], *, trainers: Iterable[str], step: int = 0) -> dict[str, PauseNote]:
+    """The pause notes that count: signed by a trainer of the run (``notes`` by signer, read with ``signed=True``)
+    and for a step at least ``step``. A stranger's note, even one naming a store of its own, is not a trainer's word
+    that it left or where the snapshot is.
+
+    Args:
+        trainers: peer ids of the run's trainers as the reader knows them (its view, gate-checked where invite-only).
+    """
+    members = set(trainers)
+    return {p: n for p, n in notes.items() if p in members and n.step >= step}
 
 
 def young_daly_interval(cost_s: float, mtbf_s: float) -> float:

@@ -12,14 +12,15 @@ import dataclasses
 import hashlib
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from swarmrun.protocol.codec import pack, unpack
-from swarmrun.protocol.errors import IncompatibleState, LocalProtocolError, RemoteProtocolError, UsageError
+from swarmrun.protocol.errors import (IncompatibleState, LocalProtocolError, RemoteProtocolError, SwarmrunError,
+                                      UsageError)
 
-__all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "RUN_ID", "check_run_id", "Spec", "SignedSpec", "amend"]
+__all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "RUN_ID", "check_run_id", "Spec", "SignedSpec", "amend", "choose_spec"]
 
 SPEC_VERSION = 1
 ACCESS_POLICIES = ("open", "invite")
@@ -281,3 +282,46 @@ def amend(spec: Spec, **changes: Any) -> Spec:
         if hparams.get(name) != spec.hparams[name]:
             raise UsageError(f"{name} is fixed for the life of a run (the data cursor counts blocks of it)")
     return dataclasses.replace(spec, hparams=hparams)
+
+
+def choose_spec(found: Mapping[str, bytes], *, run_id: str, anchors: Collection[str],
+                verifier: Callable[[bytes, bytes, bytes], bool]) -> tuple[SignedSpec | None, tuple[str, ...]]:
+    """The run's spec among those published under peers' signed subkeys (``found``: encoded spec by signer).
+
+    A spec that does not decode, verify or name ``run_id`` is skipped, with its reason, never fatal while another
+    verifies. The peers this one was given (``anchors``, the peer ids of ``--peers``) are the trust root: when any of
+    them publishes a spec that verifies, the one most of them publish is taken, and a stranger's own validly signed
+    spec for the same run id (its own key as owner) neither replaces nor hides it. When none of them does (a
+    bootstrap-only node), a spec is taken only if every verifying one is the same.
+
+    Returns:
+        (the spec or None, the reasons of the skipped ones).
+    Raises:
+        IncompatibleState: the anchors are split evenly between specs, or, without an anchor's spec, verifying
+            specs differ (someone else publishes a spec for this run id: give --peers of the run's peers).
+    """
+    good: dict[str, SignedSpec] = {}
+    skipped = []
+    for signer, data in sorted(found.items()):
+        try:
+            signed = SignedSpec.decode(data)
+            signed.verify(verifier)
+            if signed.spec.run_id != run_id:
+                raise IncompatibleState(f"it names run {signed.spec.run_id!r}")
+        except (SwarmrunError, TypeError, ValueError) as e:
+            skipped.append(f"the spec from {signer[-6:]} was skipped: {e}")
+            continue
+        good[signer] = signed
+    anchored = {s: good[s] for s in anchors if s in good}
+    pool = anchored or good
+    if not pool:
+        return None, tuple(skipped)
+    votes: dict[bytes, list[str]] = {}
+    for signer, signed in pool.items():
+        votes.setdefault(signed.encode(), []).append(signer)
+    ranked = sorted(votes.values(), key=len, reverse=True)
+    if len(ranked) > 1 and (not anchored or len(ranked[0]) == len(ranked[1])):
+        who = "the given peers" if anchored else "peers other than the given ones"
+        raise IncompatibleState(f"{who} publish {len(ranked)} different specs for run {run_id!r}; give --peers of "
+                                f"the run's own peers")
+    return pool[ranked[0][0]], tuple(skipped)

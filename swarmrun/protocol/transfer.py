@@ -20,13 +20,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from swarmrun.protocol.codec import float_field, int_field, pack, require, unpack  # one set of field validators
+from swarmrun.protocol.codec import bytes_field, float_field, int_field, pack, require, unpack  # one set of field validators
 from swarmrun.protocol.errors import RemoteProtocolError
 from swarmrun.protocol.manifest import MAX_CHUNK_SIZE, MAX_MANIFEST_SIZE
 
 TRANSFER_VERSION = 2  # 2: manifests of version 2 (BLAKE3 digests) behind the same messages
 MAX_HEADER_BYTES = 4096
 MAX_RECORD_BYTES = 16 * 1024
+MAX_CERTIFICATE_BYTES = 8192  # a certificate in a provider record (as in a progress report)
 MAX_LOG_ANNOUNCED = 64  # step records one provider announces
 HEADER_PREFIX = 4  # bytes of the frame length
 
@@ -63,12 +64,14 @@ class ProviderRecord:
     keeper: bool = False
     serving: int = 0  # transfers in progress, so joiners can prefer idle providers
     log: Mapping[int, str] = field(default_factory=dict)
+    certificate: bytes = b""  # the provider's access certificate (invite-only runs: readers check it)
 
     def encode(self) -> bytes:
         log = sorted(self.log.items())[-MAX_LOG_ANNOUNCED:]
         return pack(dict(type="provider", version=TRANSFER_VERSION, step=self.step, manifest_hash=self.manifest_hash,
                          state_hash=self.state_hash, total_bytes=self.total_bytes, time=self.time,
-                         keeper=self.keeper, serving=self.serving, log=[[s, h] for s, h in log]))
+                         keeper=self.keeper, serving=self.serving, log=[[s, h] for s, h in log],
+                         **({"certificate": self.certificate} if self.certificate else {})))
 
     @classmethod
     def decode(cls, data: bytes) -> ProviderRecord:
@@ -85,7 +88,8 @@ class ProviderRecord:
         require(isinstance(d.get("keeper"), bool), "keeper must be a bool")
         return cls(step=int_field(d, "step"), manifest_hash=_digest(d, "manifest_hash"), state_hash=_digest(d, "state_hash"),
                    total_bytes=int_field(d, "total_bytes"), time=float_field(d, "time"), keeper=d["keeper"],
-                   serving=int_field(d, "serving", 0, 1 << 16), log=entries)
+                   serving=int_field(d, "serving", 0, 1 << 16), log=entries,
+                   certificate=bytes_field(d, "certificate", MAX_CERTIFICATE_BYTES) if "certificate" in d else b"")
 
 
 @dataclass(frozen=True)

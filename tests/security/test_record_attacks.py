@@ -55,16 +55,17 @@ def _run_records(dht: DHT, key) -> tuple[SignedSpec, ProviderRecord]:
                 hparams={"lr": 0.1, "target_batch_size": 64, "total_steps": 100, "block_size": 8})
     signed = SignedSpec.sign(spec, key.sign)
     provider = ProviderRecord(step=3, manifest_hash="a" * 64, state_hash="b" * 64, total_bytes=10, time=get_dht_time())
-    assert dht.store(spec_key(RUN), signed.encode(), expiration_time=get_dht_time() + SPEC_TTL)
     subkey = signed_subkey(record_validator(key), dht.peer_id.to_base58())
+    assert dht.store(spec_key(RUN), signed.encode(), expiration_time=get_dht_time() + SPEC_TTL, subkey=subkey)
     assert dht.store(providers_key(RUN), provider.encode(), expiration_time=get_dht_time() + 60, subkey=subkey)
     return signed, provider
 
 
 def _reads_the_run(dht: DHT, signed: SignedSpec, provider: ProviderRecord) -> None:
     found = dht.get(spec_key(RUN), latest=True)
-    assert found is not None and found.value != PLANTED, "the stranger's value replaced the run's spec"
-    got = SignedSpec.decode(found.value)
+    assert found is not None and isinstance(found.value, dict), "the stranger's value replaced the run's spec"
+    [item] = found.value.values()  # each peer publishes the spec under its signed subkey
+    got = SignedSpec.decode(item.value)
     assert got == signed and got.verify(verify_signature) is None
     assert found.expiration_time < get_dht_time() + 2 * SPEC_TTL
     found = dht.get(providers_key(RUN), latest=True)

@@ -149,3 +149,36 @@ def test_amend_hparams():
 def test_amend_refuses(change):
     with pytest.raises(UsageError):
         amend(make_spec(), **change)
+
+
+def test_choose_spec_takes_the_anchors_spec_and_skips_what_does_not_verify():
+    from swarmrun.protocol.errors import IncompatibleState
+    from swarmrun.protocol.spec import SignedSpec, choose_spec
+
+    def signed(owner: bytes, run_id="r1", sig=None):
+        s = Spec(run_id=run_id, task="synthetic", task_version="1", task_args={}, seed=0, data_fingerprint="x",
+                 num_examples=1024, owner_key=owner,
+                 hparams={"lr": 0.1, "target_batch_size": 64, "total_steps": 100, "block_size": 8})
+        return SignedSpec(spec=s, signature=sig if sig is not None else b"ok:" + owner).encode()
+
+    def verifier(key, data, sig):  # a signature is b"ok:" + the key that signed
+        return sig == b"ok:" + key
+
+    real, strangers = signed(b"owner"), signed(b"stranger")
+    found = {"A": real, "B": real, "S": strangers, "X": signed(b"owner", sig=b"forged"), "Y": b"\x00" * 8,
+             "W": signed(b"owner", run_id="r2")}
+    got, skipped = choose_spec(found, run_id="r1", anchors=("A",), verifier=verifier)
+    assert got.encode() == real and len(skipped) == 3  # X (signature), Y (malformed), W (another run)
+    # the stranger's own validly signed spec neither replaces nor hides the anchors'
+    assert choose_spec({"S": strangers, "A": real}, run_id="r1", anchors=("A",), verifier=verifier)[0].encode() == real
+    # an anchor's bad spec is skipped while another anchor's verifies
+    got, skipped = choose_spec({"A": signed(b"owner", sig=b"bad"), "B": real}, run_id="r1", anchors=("A", "B"),
+                               verifier=verifier)
+    assert got.encode() == real and len(skipped) == 1
+    # nothing verifies: None with the reasons; nothing at all: None
+    assert choose_spec({"X": found["X"]}, run_id="r1", anchors=(), verifier=verifier)[0] is None
+    assert choose_spec({}, run_id="r1", anchors=("A",), verifier=verifier) == (None, ())
+    # no anchor publishes: one spec is taken, two different ones are refused with a clear message
+    assert choose_spec({"B": real}, run_id="r1", anchors=("Z",), verifier=verifier)[0].encode() == real
+    with pytest.raises(IncompatibleState, match="different specs"):
+        choose_spec({"B": real, "S": strangers}, run_id="r1", anchors=("Z",), verifier=verifier)

@@ -126,10 +126,16 @@ def test_an_owner_subkey_must_be_the_owners_when_the_owner_is_known():
 
 def test_a_peer_subkey_names_a_peer():
     for good in (msgpack.packb(PEER), msgpack.packb(b"\x00\x24\x08\x01\x12"), signed_subkey()):
-        assert check("paused", sk=good) is None and check("group", sk=good) is None
+        assert check("group", sk=good) is None
     for bad in (msgpack.packb(""), msgpack.packb("not a peer id!"), msgpack.packb(b""), msgpack.packb(3),
                 msgpack.packb(["x"]), msgpack.packb(b"x" * 129), b"\xc1", b"\x92\x01"):
-        assert reason(check("paused", sk=bad)) is Reject.MALFORMED, bad
+        assert reason(check("group", sk=bad)) is Reject.MALFORMED, bad
+
+
+def test_a_pause_note_is_signed_by_its_peer():
+    assert check("paused", sk=signed_subkey()) is None
+    for unsigned in (msgpack.packb(PEER), msgpack.packb(b"\x00\x24\x08\x01\x12")):
+        assert reason(check("paused", sk=unsigned)) is Reject.UNSIGNED, unsigned
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -213,3 +213,44 @@ def test_two_groups_with_partial_views_cannot_both_commit():
 
     old = pack({k: v for k, v in unpack(b["c"].encode()).items() if k != "live"})
     assert Vote.decode(old).live == 0
+
+
+def test_votes_count_only_from_members_of_the_round():
+    from swarmrun.protocol.round import round_votes, vote_wait_over
+
+    group = ["a", "b"]
+    mine = vote(group="g1")
+    seen = {"a": mine, "stranger": vote(ok=False, group="g1"), "c": vote(ok=False, group="g0"),
+            "b": vote(group="g0")}  # b's vote of an earlier attempt at this step (another group)
+    counted = round_votes(seen, group=group, group_id="g1", step=0)
+    assert counted == {"a": mine}
+    # a stranger's ok=False never ends a member's wait, never abandons the round
+    assert not vote_wait_over(mine=mine, votes=counted, group=group)
+    counted = round_votes({**seen, "b": vote(group="g1")}, group=group, group_id="g1", step=0)
+    assert vote_wait_over(mine=mine, votes=counted, group=group)
+    assert decide_commit(mine=mine, votes=counted, group=group, live_trainers=2, samples=64,
+                         target_batch_size=64) == Commit()
+    # a member's ok=False does end the wait; so does my own
+    failed = round_votes({**seen, "b": vote(ok=False, group="g1")}, group=group, group_id="g1", step=0)
+    assert vote_wait_over(mine=mine, votes=failed, group=group)
+    assert vote_wait_over(mine=vote(ok=False, group="g1"), votes={}, group=group)
+    # a vote for another step under the same key slot is not counted
+    assert round_votes({"b": vote(step=256, group="g1")}, group=group, group_id="g1", step=0) == {}
+
+
+def test_a_solo_commit_needs_evidence_not_vanished_records():
+    from swarmrun.protocol.round import may_step_alone
+
+    ttl = 10.0
+    ok = lambda **kw: may_step_alone(1000.0, me="me", report_ttl=ttl, **kw)[0]  # noqa: E731
+    # alone from the start, or every other trainer said it left: step alone
+    assert ok(last_seen={}, left=(), peak_live=1)
+    assert ok(last_seen={"b": 999.0, "c": 999.0}, left=("b", "c"), peak_live=3)
+    # the others' records vanished a moment ago (a partition, a flood of a stranger's records): wait
+    assert not ok(last_seen={"b": 990.0}, left=(), peak_live=2)
+    assert not ok(last_seen={"b": 1000.0 - 3 * ttl + 1}, left=(), peak_live=2)
+    # a minority vanished long ago: fine
+    assert ok(last_seen={"b": 1000.0 - 3 * ttl - 1}, left=("c", "d"), peak_live=4)
+    # a majority vanished at once: wait well beyond the quiet period, then take it as gone
+    assert not ok(last_seen={"b": 1000.0 - 3 * ttl - 1, "c": 1000.0 - 3 * ttl - 1}, left=(), peak_live=3)
+    assert ok(last_seen={"b": 1000.0 - 12 * ttl - 1, "c": 1000.0 - 12 * ttl - 1}, left=(), peak_live=3)

@@ -170,3 +170,14 @@ def test_snapshot_record_roundtrip_and_truncation():
     assert SnapshotRecord.decode(r.encode()) == r
     with pytest.raises(RemoteProtocolError):
         SnapshotRecord.decode(r.encode()[:-3])
+
+
+def test_pause_notes_count_only_from_the_run_s_trainers():
+    from swarmrun.protocol.snapshot import PauseNote, trainer_notes
+
+    mine = PauseNote(step=5, left=True, where="/real/store@5")
+    forged = PauseNote(step=9, left=True, where="STORE@999")
+    notes = {"a": mine, "stranger": forged, "b": PauseNote(step=3, left=True)}
+    assert trainer_notes(notes, trainers={"a", "b"}, step=5) == {"a": mine}
+    assert trainer_notes(notes, trainers=["a", "b"]) == {"a": mine, "b": notes["b"]}
+    assert trainer_notes(notes, trainers=()) == {}

@@ -414,3 +414,29 @@ def test_apply_without_adopt_copies_the_optimizer_state():
         p.grad = torch.ones_like(p)
     joiner.optimizer.step()
     assert frozen.faults() == [] and joiner.state_hash() != frozen.manifest.state_hash()
+
+
+def test_an_announced_state_stays_served_however_fast_the_swarm_steps():
+    """A swarm at ~70 steps/s replaces its state many times between a joiner reading a provider record and asking
+    for it: what the record named stays, until ``max_announced`` newer announcements (issue 14)."""
+    from swarmrun.node.net.serve import StateServer
+
+    server = StateServer(None, "r", lambda request, remote: None, max_old_states=2, linger=0.0, max_announced=2)
+    states = [make_state(nbytes=4096, chunk_size=1024, seed=i) for i in range(12)]
+    hashes = [s.manifest.manifest_hash() for s in states]
+    server.publish_state(states[0])
+    server.announce(hashes[0])
+    for s in states[1:10]:  # nine more steps before the joiner asks
+        server.publish_state(s)
+    assert server._find(hashes[0]) is not None, "the announced state was dropped"
+    assert server._find(hashes[1]) is None  # an unannounced old one goes as before (max_old_states, linger)
+    server.announce("f" * 64)  # not the current state: nothing pinned
+    server.announce(hashes[9])
+    server.publish_state(states[10])
+    server.announce(hashes[10])
+    assert server._find(hashes[0]) is None and server._find(hashes[9]) is not None  # two announced at most
+    # one in use by a transfer stays past the bound
+    server._announced[hashes[9]].sessions = 1
+    server.publish_state(states[11])
+    server.announce(hashes[11])
+    assert server._find(hashes[9]) is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -282,15 +283,17 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
     """
     from hivemind.utils.timed_storage import get_dht_time
 
-    from swarmrun.protocol.snapshot import PauseNote, PauseRecord, pause_key, paused_key
-    from swarmrun.node.net.records import owner_session
+    from swarmrun.protocol.snapshot import PauseNote, PauseRecord, pause_key, paused_key, trainer_notes
+    from swarmrun.node.peer.access import AccessGate
+    from swarmrun.node.net.records import owner_session, read_subkeys, read_view
     from swarmrun.node.runtime import await_future
-    from swarmrun.node.net.records import read_subkeys, read_view
 
     # the session is a full DHT node: the peers' notes must outlive the peers, which leave right after
     async with owner_session(run_id, initial_peers, key, action="pause it", listen=listen) as (dht, signed):
         spec = signed.spec
-        view = await read_view(dht, run_id)
+        gate = AccessGate(spec)  # in an invite-only run, a trainer is a peer with a certificate
+        await gate.refresh(dht)
+        view = await read_view(dht, run_id, gate)
         trainers = {p for p, r in view.trainers.items() if not r.finished}
         if not trainers:
             raise RunNotFound(f"run {run_id!r} has no live trainer to pause")
@@ -300,9 +303,7 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
                              f"nothing was paused")
         record = PauseRecord(run_id=run_id, spec_hash=spec.spec_hash(), at_step=view.newest_step + 1, store=store,
                              time=get_dht_time())
-        from dataclasses import replace
-
-        record = replace(record, signature=bytes(key.sign(record.unsigned_bytes())))
+        record = dataclasses.replace(record, signature=bytes(key.sign(record.unsigned_bytes())))
         deadline = time.monotonic() + timeout
         written = None
         notes: dict = {}
@@ -312,10 +313,11 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
                 await await_future(dht.store(pause_key(run_id), record.encode(), expiration_time=get_dht_time() + 120,
                                        return_future=True))
                 published = time.monotonic()
-            notes = {p: n for p, n in (await read_subkeys(dht, paused_key(run_id), PauseNote.decode)).items()
-                     if n.step >= record.at_step}
+            live = {p for p, r in (await read_view(dht, run_id, gate)).trainers.items() if not r.finished}
+            # only the trainers' own signed notes count: a stranger's "left, written to STORE@..." is ignored
+            notes = trainer_notes(await read_subkeys(dht, paused_key(run_id), PauseNote.decode, signed=True),
+                                  trainers=trainers | live, step=record.at_step)
             written = next((n for n in notes.values() if n.where), written)
-            live = {p for p, r in (await read_view(dht, run_id)).trainers.items() if not r.finished}
             waiting = {p for p in trainers & live if not (notes.get(p) and notes[p].left)}
             if written is not None and not waiting:
                 break

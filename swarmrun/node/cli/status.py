@@ -20,7 +20,7 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
     from hivemind import DHT  # only here: the command's usage errors come before hivemind's import
     from hivemind.utils.timed_storage import get_dht_time
 
-    from swarmrun.node.net.records import fetch_spec, read_providers, read_view
+    from swarmrun.node.net.records import anchor_ids, fetch_spec, read_providers, read_view
     from swarmrun.node.net.swarm import run_validators
 
     try:
@@ -30,7 +30,7 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
     except Exception as e:
         raise RunNotFound(f"could not reach any of the peers {', '.join(initial_peers)}: {e}") from None
     try:
-        signed = await fetch_spec(dht, run_id, timeout=timeout)
+        signed = await fetch_spec(dht, run_id, timeout=timeout, anchors=anchor_ids(initial_peers))
         if signed is None:
             raise RunNotFound(f"run {run_id!r} was not found at the given peers")
         from swarmrun.node.peer.access import AccessGate
@@ -46,7 +46,7 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
         spec = signed.spec
         # the run's data accounting, from the cursor of the newest state (None for each key if no peer reports it)
         accounting = run_accounting(view) or {}
-        records = await read_providers(dht, run_id)
+        records = await read_providers(dht, run_id, gate)
         providers = [dict(peer_id=p, step=r.step, manifest_hash=r.manifest_hash, state_hash=r.state_hash,
                           mib=round(r.total_bytes / 2**20, 2), keeper=r.keeper, serving=r.serving,
                           step_records=len(r.log), age_s=round(max(0.0, now - r.time), 1))

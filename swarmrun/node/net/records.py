@@ -19,7 +19,7 @@ from swarmrun.protocol.access import Revocations, revocation_key
 from swarmrun.protocol.codec import unpack
 from swarmrun.protocol.errors import AccessRefused, IncompatibleState, ProtocolError, RunNotFound
 from swarmrun.protocol.round import ProgressReport, SwarmView, progress_key, spec_key
-from swarmrun.protocol.spec import SignedSpec
+from swarmrun.protocol.spec import SignedSpec, choose_spec
 from swarmrun.protocol.transfer import ProviderRecord, providers_key
 
 logger = logging.getLogger("swarmrun.records")
@@ -54,10 +54,10 @@ async def read_view(dht: DHT, run_id: str, gate=None) -> SwarmView:
     return SwarmView(reports=reports)
 
 
-async def read_providers(dht: DHT, run_id: str) -> dict[str, ProviderRecord]:
+async def read_providers(dht: DHT, run_id: str, gate=None) -> dict[str, ProviderRecord]:
     """The live provider records of a run, by peer id: only records signed by the peer they name (hivemind's
-    validator checked the signature; ``subkey_owner`` that the key is that peer's identity); malformed ones
-    are ignored."""
+    validator checked the signature; ``subkey_owner`` that the key is that peer's identity) and, in an invite-only
+    run, carrying a certificate the gate admits (as ``read_view``); malformed ones are ignored."""
     found = await await_future(dht.get(providers_key(run_id), latest=True, return_future=True))
     out = {}
     if found is not None and isinstance(found.value, dict):
@@ -69,41 +69,54 @@ async def read_providers(dht: DHT, run_id: str) -> dict[str, ProviderRecord]:
                 out[owner] = ProviderRecord.decode(item.value)
             except (ProtocolError, AttributeError, TypeError):
                 continue
+    if gate is not None and gate.spec.access != "open":
+        out = {p: r for p, r in out.items() if gate.check(p, r.certificate) is None}
     return out
 
 
 SPEC_TTL = 120.0
 
 
-async def fetch_spec(dht: DHT, run_id: str, *, timeout: float) -> Optional[SignedSpec]:
-    """The run's signed spec from the DHT, verified; None if no peer has it within ``timeout``.
+def anchor_ids(initial_peers: Sequence[str]) -> tuple[str, ...]:
+    """The peer ids named by ``--peers`` multiaddrs (``.../p2p/<id>``): the peers a joiner takes the spec from."""
+    return tuple(m.rsplit("/p2p/", 1)[1].split("/", 1)[0] for m in initial_peers if "/p2p/" in m)
+
+
+async def fetch_spec(dht: DHT, run_id: str, *, timeout: float, anchors: Sequence[str] = ()) -> Optional[SignedSpec]:
+    """The run's signed spec, as the peers ``anchors`` (``--peers``) publish it under their signed subkeys
+    (``protocol.spec.choose_spec``: one that does not verify is skipped); None if no peer has one within ``timeout``.
 
     Raises:
-        IncompatibleState: a spec was found but does not verify or is malformed.
+        IncompatibleState: only specs that do not verify were found, or conflicting ones (see ``choose_spec``).
     """
     deadline = time.monotonic() + timeout
     while True:
-        found = await await_future(dht.get(spec_key(run_id), latest=True, return_future=True))
-        if found is not None:
-            try:
-                signed = SignedSpec.decode(found.value)
-            except ProtocolError as e:
-                raise IncompatibleState(f"the spec of run {run_id!r} in the swarm is malformed: {e}") from None
-            signed.verify(verify_signature)
-            if signed.spec.run_id != run_id:
-                raise IncompatibleState(f"the spec stored for {run_id!r} names run {signed.spec.run_id!r}")
+        found = await read_subkeys(dht, spec_key(run_id), _raw_bytes, signed=True)
+        signed, skipped = choose_spec(found, run_id=run_id, anchors=anchors, verifier=verify_signature)
+        for reason in skipped:
+            logger.warning(reason)
+        if signed is not None:
             return signed
         if time.monotonic() > deadline:
+            if skipped:
+                raise IncompatibleState(f"no spec of run {run_id!r} in the swarm verifies: {'; '.join(skipped)}")
             return None
         await asyncio.sleep(0.5)
 
 
-async def publish_spec_forever(dht: DHT, signed: SignedSpec) -> None:
-    """Every peer of a run keeps its signed spec in the DHT, so the run outlives its creator."""
+def _raw_bytes(value) -> bytes:
+    if not isinstance(value, bytes):
+        raise TypeError("a spec record is bytes")
+    return value
+
+
+async def publish_spec_forever(dht: DHT, signed: SignedSpec, subkey: bytes) -> None:
+    """Every peer of a run keeps its signed spec in the DHT under its own signed subkey (``subkey``), so the run
+    outlives its creator and a joiner takes the spec from the peers it was given."""
     while True:
         try:
-            await await_future(dht.store(spec_key(signed.spec.run_id), signed.encode(), expiration_time=get_dht_time() + SPEC_TTL,
-                            return_future=True))
+            await await_future(dht.store(spec_key(signed.spec.run_id), signed.encode(), subkey=subkey,
+                                         expiration_time=get_dht_time() + SPEC_TTL, return_future=True))
         except Exception as e:
             logger.debug(f"could not publish spec: {e!r}")
         await asyncio.sleep(SPEC_TTL / 4)
@@ -127,7 +140,7 @@ async def owner_session(run_id: str, initial_peers: Sequence[str], key: RSAPriva
         logger.debug(f"bootstrap failed: {e!r}")
         raise RunNotFound(unreachable(initial_peers)) from None
     try:
-        signed = await fetch_spec(dht, run_id, timeout=8.0)
+        signed = await fetch_spec(dht, run_id, timeout=8.0, anchors=anchor_ids(initial_peers))
         if signed is None:
             raise RunNotFound(f"run {run_id!r} was not found at the given peers")
         if signed.spec.owner_key != public_key_bytes(key):

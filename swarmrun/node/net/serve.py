@@ -54,16 +54,21 @@ class StateServer:
 
     The current state is always served; a previous one stays while a transfer uses it or for ``linger`` seconds
     after its last use (every committer of a step holds the same bits, so a joiner that started on step s finishes
-    it from whoever still holds s); the last ``keep_records`` step records stay for joiners to replay.
+    it from whoever still holds s); the last ``keep_records`` step records stay for joiners to replay. The last
+    ``max_announced`` states named in this peer's provider record (``announce``) stay too, however fast the swarm
+    steps: a joiner reads the record, then asks, and a swarm at 70 steps/s has replaced the state meanwhile.
     """
 
     def __init__(self, p2p: P2P, run_id: str, admit: Admit, *, max_sessions: int = 8, linger: float = 30.0,
-                 keep_records: int = 16, max_old_states: int = 2, chunk_timeout: float = 30.0):
+                 keep_records: int = 16, max_old_states: int = 2, chunk_timeout: float = 30.0,
+                 max_announced: int = 2):
         self.p2p, self.run_id, self.admit = p2p, run_id, admit
         self.max_sessions, self.linger, self.keep_records = max_sessions, linger, keep_records
         self.max_old_states, self.chunk_timeout = max_old_states, chunk_timeout
         self.current: Optional[_Served] = None
         self._old: "OrderedDict[str, _Served]" = OrderedDict()
+        self.max_announced = max_announced
+        self._announced: "OrderedDict[str, _Served]" = OrderedDict()  # states named in provider records, newest last
         self.records: "OrderedDict[int, _Served]" = OrderedDict()  # by step
         self.sessions = 0
         self.bytes_served = 0
@@ -96,6 +101,19 @@ class StateServer:
         self.current = served
         self._expire()
 
+    def announce(self, manifest_hash: str) -> None:
+        """The provider record about to be published names ``manifest_hash`` (the current state): keep serving it
+        until ``max_announced`` newer announcements replaced it and no transfer uses it."""
+        if self.current is None or self.current.frozen.manifest.manifest_hash() != manifest_hash:
+            return
+        self._announced[manifest_hash] = self.current
+        self._announced.move_to_end(manifest_hash)
+        while len(self._announced) > self.max_announced:
+            key = next((k for k, s in self._announced.items() if s.sessions == 0), None)
+            if key is None:
+                break
+            del self._announced[key]
+
     def publish_record(self, record: FrozenState) -> None:
         self.records[record.step] = _Served(record, record.manifest.encode())
         while len(self.records) > self.keep_records:
@@ -125,6 +143,8 @@ class StateServer:
             return self.current
         if manifest_hash in self._old:
             return self._old[manifest_hash]
+        if manifest_hash in self._announced:
+            return self._announced[manifest_hash]
         return next((s for s in self.records.values() if s.frozen.manifest.manifest_hash() == manifest_hash), None)
 
     # -- the stream handler

@@ -25,6 +25,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import amap_in_executor, azip, as_aiter, enter_asynchronously
 
+from swarmrun.node.net.bounds import install_protobuf_bounds
 from swarmrun.protocol.codec import unpack
 from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.errors import ProtocolError
@@ -160,7 +161,13 @@ class RoundAverager(DecentralizedAverager):
     - ``_run_allreduce_inplace_``: copies the averaged parts into the tensors.
     - ``__del__``: hivemind's reads ``_parent_pid``, which its ``__init__`` sets late; an averager whose
       construction failed earlier (a refused argument) printed an AttributeError at garbage collection.
+    - ``run`` (the averager process's entry): bounds the declared length of every averager message before hivemind
+      buffers it (``net.bounds.install_protobuf_bounds``; hivemind reads it in a static method of ``P2P``).
     """
+
+    def run(self):
+        install_protobuf_bounds()  # in the averager's process, before its handlers are registered
+        super().run()
 
     def __init__(
         self,

@@ -16,13 +16,14 @@ from typing import Callable, Optional
 from hivemind import DHT
 
 from swarmrun.node.net.records import read_providers
+from swarmrun.node.net.fetch import FetchFailed
 from swarmrun.node.output import Events
 from swarmrun.node.peer.reporter import Reporter
 from swarmrun.node.peer.served import ServedState
 from swarmrun.node.state.run import FrozenState, RunState
 from swarmrun.node.state.steps import read_step_record
 from swarmrun.protocol.cursor import RangeSet
-from swarmrun.protocol.errors import IncompatibleState, Stopped, SwarmrunError
+from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, Stopped, SwarmrunError
 from swarmrun.protocol.manifest import Manifest
 from swarmrun.protocol.round import preferred_hash, should_resync
 from swarmrun.protocol.spec import Spec
@@ -68,14 +69,15 @@ class CatchUp:
         """
         await self.served.start()
         how = dict(bytes=0, fetched=0, replayed=0, providers=0, banned=0)
-        last_error = "no provider announced a state"
+        last_error, corrupt = "no provider announced a state", False
         while time.monotonic() < deadline:
             if self.stop_requested.is_set():
                 raise Stopped()
             if not self.dht.is_alive():
                 raise SwarmrunError("hivemind's DHT process died; leaving")
             await self.reporter.refresh()
-            records = {p: r for p, r in (await read_providers(self.dht, self.spec.run_id)).items() if p != self.peer_id}
+            records = {p: r for p, r in (await read_providers(self.dht, self.spec.run_id, self.served.gate)).items()
+                       if p != self.peer_id}
             if not records and not any(p != self.peer_id for p in self.reporter.view.reports):
                 last_error = "no peer of the run answered"  # a DHT read can miss under load: ask again
                 await asyncio.sleep(self.config.report_interval)
@@ -98,8 +100,12 @@ class CatchUp:
                 continue
             try:
                 frozen = await self._fetch_state(choice, deadline, how)
+            except FetchFailed as e:  # unavailable (gone, replaced, unreachable) or lying providers: try again
+                last_error, corrupt = str(e), False
+                await asyncio.sleep(self.config.report_interval)
+                continue
             except IncompatibleState as e:
-                last_error = str(e)
+                last_error, corrupt = str(e), True
                 await asyncio.sleep(self.config.report_interval)
                 continue
             if self.diverged is not None and self.diverged.step == frozen.step:
@@ -110,7 +116,8 @@ class CatchUp:
             await asyncio.to_thread(self.served.refresh)
             self.served.drop_records()  # earlier records described another history of this peer
             self.served.publish()
-        raise IncompatibleState(f"could not catch up with the swarm within {self.config.state_timeout:.0f}s: {last_error}")
+        error = IncompatibleState if corrupt else CatchUpFailed  # exit 5 only for a state that did not verify
+        raise error(f"could not catch up with the swarm within {self.config.state_timeout:.0f}s: {last_error}")
 
     async def _fetch_state(self, choice: Choice, deadline: float, how: dict) -> FrozenState:
         total = {"done": 0, "t0": time.monotonic(), "last": 0.0}

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Mapping, Optional
 
 from hivemind import DHT
 
-from swarmrun.node.net.records import fetch_spec, publish_spec_forever, read_providers, read_view
-from swarmrun.node.net.swarm import SwarmConfig, ensure_identity, public_key_bytes, start_dht
+from swarmrun.node.net.records import anchor_ids, fetch_spec, publish_spec_forever, read_providers, read_view
+from swarmrun.node.net.swarm import (SwarmConfig, ensure_identity, public_key_bytes, record_validator, signed_subkey,
+                                     start_dht)
 from swarmrun.node.runtime import kill_descendants
 from swarmrun.node.output import Events, set_log_context
 from swarmrun.node.peer.access import AccessGate, read_certificate_file
@@ -95,7 +96,8 @@ async def _run_peer(opts: JoinOptions, events: Events, keep: Optional[dict], sig
         spec = signed.spec
         if spec.owner_key == public_key_bytes(key):
             remember_owned(opts.swarm.state_dir, signed)  # `node invite` from this state dir can tell it owns the run
-        spec_task = asyncio.create_task(publish_spec_forever(dht, signed))
+        spec_subkey = signed_subkey(record_validator(key), peer_id)  # a joiner takes the spec from its --peers
+        spec_task = asyncio.create_task(publish_spec_forever(dht, signed, spec_subkey))
         state = initial_state(spec, task, device)
         expected_cursor = state.cursor  # counts this machine's data: what a received state's cursor must count
         if plan is not None:
@@ -189,7 +191,8 @@ async def _resolve_spec(opts: JoinOptions, dht: DHT, key, plan: Optional["Resume
         UsageError: a new or resumed run that is live at the given peers. RunNotFound: no such run there.
     """
     if opts.task is not None or plan is not None:
-        if opts.swarm.initial_peers and await fetch_spec(dht, opts.run_id, timeout=2.0) is not None:
+        if opts.swarm.initial_peers and await fetch_spec(dht, opts.run_id, timeout=2.0,
+                                                         anchors=anchor_ids(opts.swarm.initial_peers)) is not None:
             if opts.task is not None:
                 raise UsageError(f"run {opts.run_id!r} already exists at the given peers: join it without --task")
             raise UsageError(f"run {opts.run_id!r} is live at the given peers: join it with --peers, "
@@ -199,7 +202,8 @@ async def _resolve_spec(opts: JoinOptions, dht: DHT, key, plan: Optional["Resume
         spec, task = make_spec(run_id=opts.run_id, task_cls=task_cls, sets=opts.sets, seed=opts.seed,
                                owner_key=public_key_bytes(key), access=opts.access)
         return SignedSpec.sign(spec, key.sign), task
-    signed = await fetch_spec(dht, opts.run_id, timeout=opts.resolve_timeout)
+    signed = await fetch_spec(dht, opts.run_id, timeout=opts.resolve_timeout,
+                              anchors=anchor_ids(opts.swarm.initial_peers))
     if signed is None:
         raise RunNotFound(f"run {opts.run_id!r} was not found at the given peers")
     return signed, build_task_for(signed.spec)
@@ -224,6 +228,7 @@ def _snapshot_side(opts: JoinOptions, trainer: Trainer, signed: SignedSpec, plan
     if opts.snapshot is not None:
         writer = SnapshotWriter(trainer, options=opts.snapshot, signed=signed, history=history, events=events)
     return SnapshotSide(trainer=trainer, signed=signed, history=history, events=events, writer=writer,
+                        subkey=trainer.subkey,
                         started_step=trainer.state.step,
                         fallback_store=str(opts.swarm.state_dir / "snapshots" / signed.spec.run_id))
 
@@ -237,8 +242,8 @@ async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) 
                     cursor=state.cursor.summary(), amended=plan.changes)
     if opts.task is not None or plan is not None:
         return
-    view = await read_view(trainer.dht, trainer.spec.run_id)
-    if view.reports or await read_providers(trainer.dht, trainer.spec.run_id):
+    view = await read_view(trainer.dht, trainer.spec.run_id, trainer.gate)
+    if view.reports or await read_providers(trainer.dht, trainer.spec.run_id, trainer.gate):
         t0 = time.perf_counter()
         how = await trainer.catch_up(deadline=time.monotonic() + opts.trainer.state_timeout)
         events.emit("bootstrapped", step=state.step, state_hash=trainer.state_hash,

@@ -21,7 +21,8 @@ from swarmrun.node.state.run import digest_tensors
 from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.errors import Stopped
 from swarmrun.protocol.records import averager_prefix
-from swarmrun.protocol.round import ClaimDecision, Role, RoundMeta, Vote, decide_claims, decide_commit, vote_key
+from swarmrun.protocol.round import (ClaimDecision, Role, RoundMeta, Vote, decide_claims, decide_commit, round_votes,
+                                     vote_key, vote_wait_over)
 from swarmrun.protocol.spec import Spec
 
 VOTE_TTL = 120.0  # seconds a vote stays in the DHT (a round's members read it within vote_timeout)
@@ -125,12 +126,10 @@ class RoundRunner:
                                           expiration_time=get_dht_time() + VOTE_TTL, return_future=True))
         deadline = time.monotonic() + self.config.vote_timeout
         while True:
-            # a vote of an earlier attempt at this step (another group) is not a vote in this round
-            votes = {p: v for p, v in (await read_subkeys(self.dht, key, Vote.decode, signed=True)).items()
-                     if v.group_id == mine.group_id}
-            if not ok or all(p in votes for p in outcome.peer_ids) or time.monotonic() > deadline:
-                break
-            if any(not v.ok for v in votes.values()):
+            # only members of this round's group vote in it: a stranger's vote (or an earlier group's) is ignored
+            votes = round_votes(await read_subkeys(self.dht, key, Vote.decode, signed=True),
+                                group=outcome.peer_ids, group_id=mine.group_id, step=step)
+            if vote_wait_over(mine=mine, votes=votes, group=outcome.peer_ids) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(VOTE_POLL)
         decision = decide_commit(mine=mine, votes=votes, group=outcome.peer_ids, live_trainers=live,

@@ -76,10 +76,12 @@ class ServedState:
         """What this peer announces it serves (None before it serves)."""
         if self.server is None or self.frozen is None:
             return None
+        self.server.announce(self.frozen.manifest.manifest_hash())  # what a record names stays served a while
         return ProviderRecord(step=self.state.step, manifest_hash=self.frozen.manifest.manifest_hash(),
                               state_hash=self.state_hash, total_bytes=self.frozen.manifest.total_bytes,
                               time=get_dht_time(), keeper=role == Role.KEEPER,
-                              serving=self.server.sessions, log=self.server.announced_log())
+                              serving=self.server.sessions, log=self.server.announced_log(),
+                              certificate=self.gate.credentials or b"")
 
     async def stop(self) -> None:
         if self.server is not None and self.dht.is_alive():

@@ -33,6 +33,7 @@ from swarmrun.protocol.snapshot import (
     parse_every,
     pause_key,
     paused_key,
+    trainer_notes,
     writer_candidates,
 )
 from swarmrun.protocol.spec import SignedSpec, Spec, amend
@@ -259,6 +260,7 @@ class SnapshotSide:
     events: object
     writer: Optional[SnapshotWriter] = None
     fallback_store: str = ""  # where a peer without --snapshot-to writes when a pause or its leaving needs it
+    subkey: bytes = b""  # this peer's signed subkey (``Trainer.subkey``): its pause notes carry its signature
     started_step: int = 0
     started_time: float = field(default_factory=get_dht_time)
     pause: Optional[PauseRecord] = None
@@ -344,7 +346,7 @@ class SnapshotSide:
         since = time.monotonic()
         mine: Optional[PauseNote] = None
         while time.monotonic() - since < PAUSE_GIVE_UP:
-            notes = await self._read_notes()
+            notes = await self._read_notes(trainers=set(stores) | {t.peer_id})
             if mine is not None:
                 notes[t.peer_id] = mine
             turn = decide_pause_turn(now=time.monotonic(), since=since, me=t.peer_id, candidates=candidates,
@@ -366,15 +368,17 @@ class SnapshotSide:
                      f"{frozen.step}: every write failed (see above)")
         return PauseNote(step=frozen.step, left=True, error=mine.error if mine else "no snapshot could be written")
 
-    async def _read_notes(self) -> dict:
+    async def _read_notes(self, *, trainers: set) -> dict:
+        """The pause notes that count: the trainers' own, signed (a stranger's "written to" is nobody's word)."""
         from swarmrun.node.net.records import read_subkeys
 
         t = self.trainer
         if not t.dht.is_alive():
             return {}
         try:
-            return await asyncio.wait_for(read_subkeys(t.dht, paused_key(t.spec.run_id), PauseNote.decode),
-                                          FRESH_VIEW_TIMEOUT)
+            found = await asyncio.wait_for(read_subkeys(t.dht, paused_key(t.spec.run_id), PauseNote.decode,
+                                                        signed=True), FRESH_VIEW_TIMEOUT)
+            return trainer_notes(found, trainers=trainers)
         except Exception as e:
             logger.debug(f"could not read the pause notes: {e!r}")
             return {}
@@ -406,7 +410,7 @@ class SnapshotSide:
     async def _note(self, note: PauseNote) -> None:
         try:
             await store_record(self.trainer.dht, paused_key(self.trainer.spec.run_id), note.encode(), NOTE_TTL,
-                         subkey=self.trainer.peer_id)
+                               subkey=self.subkey)
         except Exception as e:
             logger.warning(f"could not publish the pause note: {e!r}")
 

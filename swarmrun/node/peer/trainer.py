@@ -32,7 +32,7 @@ from swarmrun.node.state.run import FrozenState, RunState
 from swarmrun.node.state.steps import make_step_record
 from swarmrun.node.tasks.base import Task, batch_len, batch_to
 from swarmrun.protocol.cursor import RangeSet
-from swarmrun.protocol.errors import IncompatibleState, Stopped, SwarmrunError
+from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, Stopped, SwarmrunError
 from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE
 from swarmrun.protocol.round import (
     Commit,
@@ -94,7 +94,7 @@ class Trainer:
         self.peer_id = dht.peer_id.to_base58()
         # this peer's DHT records (progress, votes, provider records) are signed with its identity (its p2pd key):
         # no one writes in its name
-        subkey = signed_subkey(record_validator(identity), self.peer_id)
+        self.subkey = subkey = signed_subkey(record_validator(identity), self.peer_id)
         self.device = torch.device(config.device)
         self.params = [p for p in state.model.parameters()]
         self.samples = 0  # samples accumulated toward the next step
@@ -195,7 +195,7 @@ class Trainer:
                 # provider still serves it
                 try:
                     await self.catch_up(deadline=time.monotonic() + min(20.0, self.config.state_timeout))
-                except IncompatibleState as e:
+                except (IncompatibleState, CatchUpFailed) as e:
                     logger.warning(f"the run finished; leaving at step {self.state.step}: {e}")
             self.finished = True
             await self._serve_laggards()
