@@ -1,7 +1,6 @@
 """State transfer over hivemind P2P binary streams: a provider's server, and a joiner's many-provider fetch.
 
-The pure parts (messages, the plan, which state to choose) are in ``protocol/transfer.py``, and what each byte of
-a stream means (the provider's and the joiner's ``*Session``) in ``protocol/transfer_session.py``; this module moves
+The pure parts (messages, the plan, which state to choose) are in ``protocol/transfer.py``; this module moves
 bytes. A provider serves frozen objects (``FrozenState``: the state of a step, or a step record) by manifest
 hash from this peer's own p2pd (hivemind's ``DHT.replicate_p2p``). A joiner opens one stream per provider
 and keeps a few chunk requests in flight on each; every chunk is verified before it counts.
@@ -13,16 +12,24 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from hivemind.p2p import PeerID
 from hivemind.p2p import P2P
 
-from swarmrun.protocol.errors import IncompatibleState, ProtocolError
-from swarmrun.protocol.manifest import Manifest, TensorCheck
-from swarmrun.protocol.transfer import Open, TransferPlan, protocol_name
-from swarmrun.protocol.transfer_session import FetcherConfig, FetcherSession, RefusedEvent
+from swarmrun.protocol.errors import IncompatibleState, ProtocolError, RemoteProtocolError
+from swarmrun.protocol.manifest import Manifest, TensorCheck, manifest_digest
+from swarmrun.protocol.transfer import (
+    Chunk,
+    Get,
+    Open,
+    Refused,
+    TransferPlan,
+    frame,
+    protocol_name,
+)
 from swarmrun.node.net.receive import Download, Frames, Verifier
 from swarmrun.node.state.run import FrozenState, alloc_buffer, prefault
 
@@ -208,62 +215,79 @@ class Fetcher:
                 await asyncio.sleep(min(2.0, 0.2 * failures))
 
     async def _session(self, provider: str, run: "_Run") -> None:
-        """One stream, driving a ``FetcherSession``: the session checks every answer (in order, of the manifest's
-        size) and keeps the window; this method moves the bytes and hands verified chunks to the download."""
         peer = PeerID.from_base58(provider)
         _, _, writer = await asyncio.wait_for(
             self.p2p.call_binary_stream_handler(peer, protocol_name(self.run_id)), self.chunk_timeout)
-        session = FetcherSession(FetcherConfig(spec_hash=self.spec_hash, manifest_hash=run.manifest_hash,
-                                               credentials=self.credentials, window=self.window))
-        stream = Frames(writer.transport, session)  # before anything is asked: no byte of an answer is read elsewhere
+        stream = Frames(writer.transport)  # before anything is asked, so no byte of an answer is read elsewhere
         download: Optional[Download] = None
         try:
-            run.set_manifest(await self._open(stream))
+            run.set_manifest(await self._open(stream, run.manifest_hash))
             await run.manifest_ready.wait()
             download = run.download
             plan = download.plan
             download.streams[provider] = stream
             run.active.add(provider)
+            asked: deque[int] = deque()
 
             def ask_more() -> None:
-                while session.room():
+                while len(asked) < self.window:
                     index = plan.next_chunk(provider)
                     if index is None:
                         return
-                    stream.write(session.get(index))
+                    asked.append(index)
+                    stream.write(frame(Get(index=index).encode()))
+
+            def target(chunk: Chunk) -> tuple[memoryview, bool]:
+                if not asked or chunk.index != asked[0]:
+                    raise _Lied("answered out of order")
+                start, end = download.partial.manifest.chunk_range(chunk.index)
+                if chunk.size != end - start:
+                    raise _Lied(f"chunk {chunk.index} has the wrong size")
+                asked.popleft()
+                return download.target(provider, chunk.index)
 
             def on_chunk(index: int, view: memoryview, own: bool) -> None:
                 download.received(provider, index, view, own)
                 ask_more()  # at once, from the callback: the stream never waits for this task to run
 
-            stream.target, stream.on_chunk = (lambda index: download.target(provider, index)), on_chunk
+            stream.target, stream.on_chunk = target, on_chunk
             while not plan.finished:
                 ask_more()
-                if not session.asked:  # nothing for this provider now; a verdict may put chunks back in the queue
+                if not asked:  # nothing for this provider now; a verdict may put chunks back in the queue
                     await download.changed(self.chunk_timeout)
                     continue
                 await stream.wait(self.chunk_timeout)
                 refusal = stream.message()
-                if isinstance(refusal, RefusedEvent):
+                if isinstance(refusal, Refused):
                     raise _Refused(refusal.reason)
         except (asyncio.TimeoutError, ConnectionError, ProtocolError, OSError) as e:
             if download is not None and provider in download.lied:
                 raise _Lied(download.lied[provider]) from None
-            if stream.violation is not None and stream.violation.lied:
-                raise _Lied(stream.violation.reason) from None
+            if isinstance(stream.error, _Lied):
+                raise stream.error from None
             raise e
         finally:
             run.active.discard(provider)
             _close(stream, provider, download)
 
-    async def _open(self, stream: Frames) -> Manifest:
-        """Ask a provider for the object; its manifest (the session checked it against the announced hash and this
-        run's spec)."""
-        stream.write(stream.session.open())
+
+    async def _open(self, stream: Frames, manifest_hash: str) -> Manifest:
+        """Ask a provider for the object; its manifest, checked against the announced hash and this run's spec."""
+        stream.write(frame(Open(spec_hash=self.spec_hash, manifest_hash=manifest_hash,
+                                credentials=self.credentials).encode()))
         reply = await stream.next_message(self.chunk_timeout)
-        if isinstance(reply, RefusedEvent):
+        if isinstance(reply, Refused):
             raise _Busy() if reply.busy else _Refused(reply.reason)
-        return reply.manifest
+        _, encoded = reply
+        if manifest_digest(encoded) != manifest_hash:
+            raise _Lied("its manifest does not match the announced hash")
+        try:
+            manifest = Manifest.decode(encoded)
+        except RemoteProtocolError as e:
+            raise _Lied(f"malformed manifest: {e}") from None
+        if manifest.spec_hash != self.spec_hash:
+            raise _Lied("its manifest belongs to another run")
+        return manifest
 
 
 def _close(stream: Frames, provider: str, download: Optional[Download]) -> None:

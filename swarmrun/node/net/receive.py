@@ -19,52 +19,51 @@ from typing import Any, Callable, Optional
 
 from swarmrun.protocol.errors import RemoteProtocolError
 from swarmrun.protocol.manifest import Manifest, TensorCheck
-from swarmrun.protocol.transfer import TransferPlan
-from swarmrun.protocol.transfer_session import (
-    ChunkHeader,
-    ChunkReceived,
-    FetcherSession,
-    ManifestReceived,
-    ProtocolViolation,
-    RefusedEvent,
+from swarmrun.protocol.transfer import (
+    HEADER_PREFIX,
+    MAX_HEADER_BYTES,
+    Chunk,
+    Opened,
+    Refused,
+    TransferPlan,
+    decode_message,
+    header_length,
 )
 
 logger = logging.getLogger("swarmrun.transfer")
 
-# where a chunk's bytes go, given its index: (the view to fill, whether it is the state's own buffer)
-Target = Callable[[int], tuple[memoryview, bool]]
+# where a chunk's bytes go, given its header: (the view to fill, whether it is the state's own buffer)
+Target = Callable[[Chunk], tuple[memoryview, bool]]
 # a chunk whose bytes all arrived: (index, the view they are in, whether it is the state's own buffer)
 OnChunk = Callable[[int, memoryview, bool], None]
 
-SCRATCH_BYTES = 1 << 16  # the buffer frame lengths, headers and the manifest are read into (then handed to the session)
+_PREFIX, _HEADER, _PAYLOAD = range(3)
 
 
 class Frames(asyncio.BufferedProtocol):
-    """The joiner's end of one provider stream, read in place; a ``FetcherSession`` decides what the bytes mean.
+    """The joiner's end of one provider stream, read in place.
 
     It replaces hivemind's ``StreamReaderProtocol`` on the stream's transport (``transport.set_protocol``, a public
-    asyncio API that uvloop has too) right after the stream opens, before anything was asked on it. Every read is
-    sized by the session (``wanted``), so a read never crosses from one part of a frame into the next: lengths,
-    headers and the manifest go through a small scratch buffer into ``session.receive_data``; after a
-    ``ChunkHeader`` event the chunk's payload goes straight into the view ``target`` returns for it (the kernel
-    writes it there, nowhere else) and each read is reported with ``session.payload_received`` (the session's
-    documented bypass).
+    asyncio API that uvloop has too) right after the stream opens, before anything was asked on it, and reads every
+    part of a frame with exactly the size it has (length prefix, header, payload), so a read never crosses into
+    the next part: a chunk's payload goes into the view ``target`` returns for its header, nowhere else.
 
-    Before the manifest only ``ManifestReceived`` and ``RefusedEvent`` are expected (``next_message``); after it,
-    ``target`` and ``on_chunk`` are set and chunks flow through callbacks, on the event loop, with no task switch per
-    chunk. A protocol violation (``violation``), a fault in a callback or the end of the stream ends it: the error
-    is raised by the next ``wait``/``next_message``.
+    Before the manifest is known only ``opened`` (its payload, the manifest, kept as bytes) and ``refused`` are
+    expected (``next_message``); after it, ``target`` and ``on_chunk`` are set and chunks flow through callbacks,
+    on the event loop, with no task switch per chunk. A malformed frame, a chunk out of turn or the end of the
+    stream ends it: the error is raised by the next ``wait``/``next_message``.
     """
 
-    def __init__(self, transport: asyncio.Transport, session: FetcherSession):
-        self.transport, self.session = transport, session
+    def __init__(self, transport: asyncio.Transport):
+        self.transport = transport
         self.target: Optional[Target] = None
         self.on_chunk: Optional[OnChunk] = None
         self.current: Optional[tuple[int, memoryview, bool]] = None  # the chunk whose payload is arriving
         self.error: Optional[BaseException] = None
-        self.violation: Optional[ProtocolViolation] = None
-        self._scratch = memoryview(bytearray(SCRATCH_BYTES))
-        self._got = 0  # bytes of the current chunk's payload in place
+        self._prefix = bytearray(HEADER_PREFIX)
+        self._header = bytearray(MAX_HEADER_BYTES)
+        self._stage, self._part, self._got = _PREFIX, memoryview(self._prefix), 0
+        self._opened: Optional[Opened] = None
         self._messages: deque = deque()
         self._waiter: Optional[asyncio.Future] = None
         transport.set_protocol(self)
@@ -73,20 +72,14 @@ class Frames(asyncio.BufferedProtocol):
 
     # -- asyncio callbacks
     def get_buffer(self, sizehint: int) -> memoryview:
-        wanted = self.session.wanted()  # 0 once the session ended: whatever still comes is dropped
-        if self.current is not None and wanted:
-            return self.current[1][self._got:self._got + wanted]
-        return self._scratch[:min(wanted, SCRATCH_BYTES) or SCRATCH_BYTES]
+        return self._part[self._got:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._got += nbytes
+        if self._got < len(self._part):
+            return
         try:
-            if self.current is not None:
-                self._got += nbytes
-                events = self.session.payload_received(nbytes)
-            else:
-                events = self.session.receive_data(self._scratch[:nbytes])
-            for event in events:
-                self._event(event)
+            self._part_done()
         except Exception as e:  # noqa: BLE001 - any fault ends this stream, and the session learns why
             self._fail(e)
 
@@ -103,25 +96,41 @@ class Frames(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         pass
 
-    # -- the session's events
-    def _event(self, event: Any) -> None:
-        if isinstance(event, ChunkHeader):
-            if self.target is None:
-                raise RemoteProtocolError("a chunk before the manifest")
-            view, own = self.target(event.index)
-            self.current, self._got = (event.index, view, own), 0
-        elif isinstance(event, ChunkReceived):
-            index, view, own = self.current
-            self.current = None
-            self.on_chunk(index, view, own)
-            self._wake()
-        elif isinstance(event, (ManifestReceived, RefusedEvent)):
-            self._push(event)
-        elif isinstance(event, ProtocolViolation):
-            self.violation = event
-            self._fail(RemoteProtocolError(event.reason))
-        else:  # ChunkData never comes (reads are sized by ``wanted``), ConnectionClosed neither (no empty read)
-            raise RemoteProtocolError(f"unexpected {type(event).__name__} on a provider stream")
+    # -- parsing
+    def _next_part(self, stage: int, part: memoryview) -> None:
+        self._stage, self._part, self._got = stage, part, 0
+
+    def _part_done(self) -> None:
+        if self._stage == _PREFIX:
+            self._next_part(_HEADER, memoryview(self._header)[:header_length(bytes(self._prefix))])
+        elif self._stage == _HEADER:
+            message = decode_message(bytes(self._part))
+            if isinstance(message, Chunk):
+                if self.target is None:
+                    raise RemoteProtocolError("a chunk before the manifest")
+                view, own = self.target(message)
+                self.current = (message.index, view, own)
+                self._next_part(_PAYLOAD, view)
+                if not message.size:
+                    self._part_done()
+            elif isinstance(message, Opened) and self._opened is None and self.target is None:
+                self._opened = message
+                self._next_part(_PAYLOAD, memoryview(bytearray(message.size)))
+            elif isinstance(message, Refused):
+                self._push(message)
+                self._next_part(_PREFIX, memoryview(self._prefix))
+            else:
+                raise RemoteProtocolError(f"unexpected {type(message).__name__.lower()} from a provider")
+        else:
+            part = self._part
+            self._next_part(_PREFIX, memoryview(self._prefix))
+            if self.current is not None:
+                index, view, own = self.current
+                self.current = None
+                self.on_chunk(index, view, own)
+                self._wake()
+            else:
+                self._push((self._opened, part.obj))
 
     def _push(self, message: Any) -> None:
         self._messages.append(message)
@@ -134,11 +143,10 @@ class Frames(asyncio.BufferedProtocol):
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
-        self.session.close()
         self.transport.close()
         self._wake()
 
-    # -- the fetcher's side
+    # -- the session's side
     def write(self, data: bytes) -> None:
         self.transport.write(data)
 
@@ -159,7 +167,7 @@ class Frames(asyncio.BufferedProtocol):
             raise self.error
 
     def message(self) -> Any:
-        """The next message received (``RefusedEvent`` or ``ManifestReceived``), or None."""
+        """The next message received (``Refused``, or ``(Opened, manifest bytes)``), or None."""
         return self._messages.popleft() if self._messages else None
 
     async def next_message(self, timeout: float) -> Any:
@@ -168,7 +176,6 @@ class Frames(asyncio.BufferedProtocol):
         return self._messages.popleft()
 
     def close(self) -> None:
-        self.session.close()
         self.transport.close()
 
 
