@@ -1,6 +1,7 @@
 """Bootstrap and catch-up with real peers: many providers (a keeper, a lying one), a swarm faster than the transfer."""
 
 import signal
+import time
 
 import pytest
 
@@ -66,6 +67,13 @@ def test_swarm_faster_than_the_transfer_still_admits_the_joiner(tmp_path):
         boot = swarm.wait_for("late", "bootstrapped", timeout=180)
         # the swarm stepped while the state travelled; the joiner replayed step records instead of starting over
         assert boot["fetched"] == 1 and boot["replayed"] >= 1, boot
-        swarm.wait_for("late", "step", timeout=120)
+        # and it keeps up (invariant 3): it reaches steps the swarm took after it bootstrapped, in a round of its
+        # own or by re-syncing. Which of the two is timing (a joiner whose first round forms after the others'
+        # waits out its averaging timeout, then re-syncs: issue 18), so the test does not ask for a round.
+        target = swarm.events("p0", "step")[-1]["step"] + 2
+        deadline = time.monotonic() + 120
+        while not any(e["step"] >= target for kind in ("step", "resync") for e in swarm.events("late", kind)):
+            assert time.monotonic() < deadline and swarm.peers["late"].alive, swarm.log("late")
+            time.sleep(0.2)
         _leave_all(swarm)
         _assert_one_state_per_step(swarm)
