@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
+
 if TYPE_CHECKING:
     from swarmrun.node.net.swarm import SwarmConfig
 

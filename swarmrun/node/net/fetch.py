@@ -37,7 +37,6 @@ logger = logging.getLogger("swarmrun.transfer")
 
 PREFAULT_MIN_BYTES = 16 << 20  # a smaller object's pages are left to the page faults of its first write
 KEEP_PARTIALS = 2  # unfinished downloads kept to resume (a state and a step record); a newer one drops the oldest
-Admit = Callable[[Open, str], Optional[str]]  # (request, remote peer id) -> refusal reason, or None to admit
 
 
 

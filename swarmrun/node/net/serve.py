@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
+
 from hivemind.p2p import P2P
+
+from swarmrun.node import faults
+from swarmrun.node.net.streams import quiet_dropped_streams, send
+from swarmrun.node.state.run import FrozenState
 from swarmrun.protocol.errors import ProtocolError, RemoteProtocolError
 from swarmrun.protocol.transfer import Open, protocol_name
 from swarmrun.protocol.transfer_session import (
@@ -17,14 +23,9 @@ from swarmrun.protocol.transfer_session import (
     ProviderSession,
     SessionState,
 )
-from swarmrun.node import faults
-from swarmrun.node.state.run import FrozenState
-import logging
-from swarmrun.node.net.fetch import Admit
-from swarmrun.node.net.streams import quiet_dropped_streams
-from swarmrun.node.net.streams import send
 
-logger = logging.getLogger('swarmrun.serve')
+logger = logging.getLogger("swarmrun.transfer")
+Admit = Callable[[Open, str], Optional[str]]  # (request, remote peer id) -> refusal reason, or None to admit
 
 READ_SIZE = 1 << 16  # a read of a joiner's requests: many gets at once, each a few bytes
 
