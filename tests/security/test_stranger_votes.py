@@ -80,7 +80,7 @@ def test_a_strangers_failed_vote_does_not_end_a_members_wait(tmp_path):
         async def vote():
             runner = RoundRunner(averager=Buffers(tensors), dht=a, spec=SimpleNamespace(run_id=RUN), gate=None,
                                  config=SimpleNamespace(vote_timeout=20.0),
-                                 subkey=signed_subkey(record_validator(akey), ids[0]), live=lambda: 2,
+                                 subkey=signed_subkey(record_validator(akey), ids[0]), live=lambda: 2, moved_on=lambda: False,
                                  stop_requested=asyncio.Event())
             outcome = RoundOutcome(GROUP, tuple(ids), (), (), True)
             t0 = time.monotonic()

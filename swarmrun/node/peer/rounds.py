@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 from hivemind import DHT
+from hivemind.averaging.control import AveragingStage
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarmrun.node.net.records import read_subkeys
@@ -27,6 +28,11 @@ from swarmrun.protocol.spec import Spec
 
 VOTE_TTL = 120.0  # seconds a vote stays in the DHT (a round's members read it within vote_timeout)
 VOTE_POLL = 0.05
+MOVED_ON_POLL = 0.25  # seconds between two looks at the swarm while this peer's group forms
+
+
+class SwarmMovedOn(Exception):
+    """The others committed this step while this peer was still looking for a group: no group can form for it."""
 
 
 @dataclass(frozen=True)
@@ -68,13 +74,15 @@ class RoundRunner:
     Args:
         subkey: this peer's signed subkey (its vote carries its signature).
         live: how many trainers this peer saw live lately (the commit rule's majority is of those).
+        moved_on: whether the swarm's view shows a trainer past this peer's step (then a group still forming for
+            it never will: the round gives up at once instead of waiting out ``averaging_timeout``).
         stop_requested: a stop abandons the round in flight at once (nothing is applied).
     """
 
     def __init__(self, *, averager: RoundAverager, dht: DHT, spec: Spec, gate, config, subkey: bytes,
-                 live: Callable[[], int], stop_requested: asyncio.Event):
+                 live: Callable[[], int], moved_on: Callable[[], bool], stop_requested: asyncio.Event):
         self.averager, self.dht, self.spec, self.gate, self.config = averager, dht, spec, gate, config
-        self.subkey, self.live, self.stop_requested = subkey, live, stop_requested
+        self.subkey, self.live, self.moved_on, self.stop_requested = subkey, live, moved_on, stop_requested
 
     def load(self, grads: Sequence[torch.Tensor | None], samples: int) -> None:
         """Put this peer's mean gradient (the per-sample sum / samples) in the averager's buffers."""
@@ -89,15 +97,30 @@ class RoundRunner:
         """Average the loaded gradient with a group, then vote.
 
         Raises:
-            Stopped: a stop came first. Exception: no group formed, or the averager failed (the round is abandoned).
+            Stopped: a stop came first. SwarmMovedOn: the others committed the step before a group formed.
+            Exception: no group formed, or the averager failed (the round is abandoned).
         """
         self.averager.prepare_round(meta.step, cursor, self.gate.revocations)
         t0 = time.perf_counter()
         control = self.averager.step(gather=meta.encode(), weight=float(max(meta.samples, 1)),
                                      timeout=self.config.averaging_timeout, allow_retries=True, wait=False)
-        outcome: RoundOutcome = await self._unless_stopped(await_future(control, self.config.averaging_timeout + 5))
+        outcome: RoundOutcome = await self._unless_stopped(self._outcome(control))
         decision, claims = await self._vote(outcome, step=meta.step, cursor=cursor, target=target)
         return RoundResult(decision, claims, outcome, time.perf_counter() - t0)
+
+    async def _outcome(self, control) -> RoundOutcome:
+        """The averager's outcome; a round still looking for a group is cancelled once the swarm moved past its
+        step (only while matchmaking: a formed group's all-reduce is never left half-way by this peer)."""
+        result = asyncio.ensure_future(await_future(control, self.config.averaging_timeout + 5))
+        try:
+            while not result.done():
+                await asyncio.wait([result], timeout=MOVED_ON_POLL)
+                if (not result.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP and self.moved_on()
+                        and control.cancel()):
+                    raise SwarmMovedOn("the swarm committed this step before a group formed")
+            return result.result()
+        finally:
+            result.cancel()
 
     async def _unless_stopped(self, awaitable):
         """Await, unless a stop is requested first (a leave must not wait out a round's timeout)."""

@@ -119,7 +119,8 @@ class Trainer:
                                  on_tick=self._on_tick)
         self.averager = make_averager(self.params, dht, spec=spec, gate=self.gate, config=config)
         self.rounds = RoundRunner(averager=self.averager, dht=dht, spec=spec, gate=self.gate, config=config,
-                                  subkey=subkey, live=self.reporter.recently_live, stop_requested=self.stop_requested)
+                                  subkey=subkey, live=self.reporter.recently_live, moved_on=self._behind,
+                                  stop_requested=self.stop_requested)
         self.catchup = CatchUp(dht=dht, spec=spec, config=config, events=events, peer_id=self.peer_id, state=state,
                                served=self.served, reporter=self.reporter, stop_requested=self.stop_requested,
                                replay=self._optimizer_step,
