@@ -10,6 +10,7 @@ votes agree and whose group holds a majority of the run's live trainers.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
@@ -47,16 +48,6 @@ def spec_key(run_id: str) -> str:
     return f"swarmrun.{run_id}.spec"
 
 
-
-
-
-
-
-
-
-
-
-
 class Role(str, enum.Enum):
     TRAINER = "trainer"
     KEEPER = "keeper"
@@ -73,6 +64,7 @@ class RoundMeta:
     data_epoch: int
     grad_norm: float = 0.0  # declared norm of its contribution (admission refuses one far off the recent median)
     certificate: bytes = b""  # reserved: access certificate
+    ready_at: float = 0.0  # DHT time its part was computed (the last member's is when the step's target was reached)
     version: int = ROUND_VERSION
 
     def encode(self) -> bytes:
@@ -87,6 +79,7 @@ class RoundMeta:
                 data_epoch=self.data_epoch,
                 grad_norm=self.grad_norm,
                 certificate=self.certificate,
+                **({"ready_at": self.ready_at} if self.ready_at else {}),
             )
         )
 
@@ -103,6 +96,7 @@ class RoundMeta:
             data_epoch=int_field(d, "data_epoch"),
             grad_norm=float_field(d, "grad_norm"),
             certificate=cert,
+            ready_at=float_field(d, "ready_at") if "ready_at" in d else 0.0,
         )
 
 
@@ -122,26 +116,28 @@ class ClaimDecision:
     weights: tuple[float, ...]  # averaging weight per participant (in gathered order): its samples, or 0
     applied: RangeSet  # the union of accepted claims: the blocks this step applies
     samples: int  # total samples of accepted claims
-    refused: tuple[int, ...]  # indices of participants whose claims overlapped (weight 0)
+    refused: tuple[int, ...]  # indices of participants whose claims overlapped or were invalid (weight 0)
+    excess: tuple[int, ...] = ()  # valid claims left out to keep the step within its size bounds (weight 0)
 
 
-def pick_blocks(cursor: DataCursor, count: int, *, member: int, members: int, exclude: RangeSet,
-                salt: int = 0) -> list[int]:
-    """Up to ``count`` unapplied blocks for trainer ``member`` of ``members`` (sorted peer ids): positions of
-    the data order that are ``member`` modulo ``members`` first, so live trainers do not meet; then, near the
-    end of an epoch, any other free block from a position given by ``salt``. ``exclude``: blocks held by this
+def pick_blocks(cursor: DataCursor, count: int, *, member: int, members: int, exclude: RangeSet) -> list[int]:
+    """Up to ``count`` unapplied blocks for trainer ``member`` of ``members`` (sorted peer ids).
+
+    The epoch's pending blocks (in data order; the same list on every peer of a state) are dealt round-robin: the
+    member takes its own hand first, from the front. Once its hand is spent (near an epoch's end, or when it is
+    faster than its share), it takes from the *back* of the others' hands, the next member's first, so it meets a
+    member still taking from the front of its own hand only when no block is left. ``exclude``: blocks held by this
     peer or leased by others."""
     order = block_order(cursor.seed, cursor.data_epoch, cursor.num_blocks)
-    taken = exclude.add(cursor.applied)
-    out = [b for pos, b in enumerate(order) if pos % members == member and b not in taken][:count]
-    if len(out) < count:
-        n = len(order)
-        for pos in range(salt % n, salt % n + n):
-            b = order[pos % n]
-            if b not in taken and b not in out:
+    pending = [b for b in order if b not in cursor.applied]
+    hands = [pending[m::members] for m in range(members)]
+    out = [b for b in hands[member] if b not in exclude][:count]
+    for k in range(1, members):
+        for b in reversed(hands[(member + k) % members]):
+            if len(out) >= count:
+                return out
+            if b not in exclude:
                 out.append(b)
-                if len(out) == count:
-                    break
     return out
 
 
@@ -172,27 +168,62 @@ def _claim_valid(meta: RoundMeta, cursor: DataCursor) -> bool:
     return meta.samples == claim_samples(meta.blocks, cursor)
 
 
-def decide_claims(metas: Sequence[RoundMeta], cursor: DataCursor) -> ClaimDecision:
+def step_bounds(target: int, tolerance: float) -> tuple[int, int]:
+    """The samples a committed step may carry: ``target`` within ``tolerance`` (a fraction; the spec's
+    ``step_tolerance``, default ``DEFAULT_STEP_TOLERANCE``)."""
+    return math.ceil(target * (1 - tolerance)), max(target, math.floor(target * (1 + tolerance)))
+
+
+DEFAULT_STEP_TOLERANCE = 0.05
+
+
+def decide_claims(metas: Sequence[RoundMeta], cursor: DataCursor, *, target: Optional[int] = None,
+                  tolerance: float = DEFAULT_STEP_TOLERANCE) -> ClaimDecision:
     """Accept each participant's claim unless it overlaps an applied block or a claim accepted before it
     (in gathered order, so the first of two overlapping claims keeps its blocks).
 
     A claim from another data epoch than the cursor's, outside the dataset, or whose declared sample count
     differs from what its blocks hold, is refused as a whole. The weight of an accepted participant is the
     sample count of its blocks; a refused one contributes with weight 0.
+
+    With a ``target``, the step carries at most ``target`` within ``tolerance``: the valid claims kept are the subset
+    with the most samples under the upper bound (the first such subset in gathered order); the others are left out
+    (``excess``; their blocks go back to the pool and are computed again at the next step's parameters, so a replay
+    of the step records gives the same bits). If no subset reaches the lower bound, every valid claim is accepted
+    instead: a larger step, never lost work.
     """
-    refused = set()
+    valid = []
     applied = RangeSet()
-    samples = 0
-    weights = []
     for i, meta in enumerate(metas):  # the gathered order is the same on every participant
-        if not _claim_valid(meta, cursor) or not meta.blocks.intersect(applied).is_empty:
-            refused.add(i)
-            weights.append(0.0)
-        else:
-            weights.append(float(meta.samples))
+        if _claim_valid(meta, cursor) and meta.blocks.intersect(applied).is_empty:
+            valid.append(i)
             applied = applied.add(meta.blocks)
-            samples += meta.samples
-    return ClaimDecision(weights=tuple(weights), applied=applied, samples=samples, refused=tuple(sorted(refused)))
+    accepted = valid
+    if target is not None:
+        low, high = step_bounds(target, tolerance)
+        fits = _fullest_subset([metas[i].samples for i in valid], high)
+        if sum(metas[valid[k]].samples for k in fits) >= low:
+            accepted = [valid[k] for k in fits]
+    chosen = set(accepted)
+    weights = tuple(float(m.samples) if i in chosen else 0.0 for i, m in enumerate(metas))
+    applied = RangeSet()
+    for i in accepted:
+        applied = applied.add(metas[i].blocks)
+    return ClaimDecision(weights=weights, applied=applied, samples=sum(metas[i].samples for i in accepted),
+                         refused=tuple(i for i in range(len(metas)) if i not in chosen and i not in valid),
+                         excess=tuple(i for i in valid if i not in chosen))
+
+
+def _fullest_subset(sizes: Sequence[int], high: int) -> list[int]:
+    """Indices of the subset of ``sizes`` with the largest sum not above ``high``; among equal sums the one that is
+    smallest in lexicographic order of indices (a subset-sum table over reachable sums: groups are small)."""
+    best: dict[int, tuple[int, ...]] = {0: ()}
+    for i, size in enumerate(sizes):
+        for total, subset in sorted(best.items()):
+            t = total + size
+            if size > 0 and t <= high and (t not in best or subset + (i,) < best[t]):
+                best[t] = subset + (i,)
+    return list(best[max(best)])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,6 +288,7 @@ def decide_commit(
     live_trainers: int,
     samples: int,
     target_batch_size: int,
+    tolerance: float = 0.0,
 ) -> Commit | Abandon:
     """Commit iff every member of the group voted ok for the same (step, group, gradient), the group holds a
     majority of the live trainers, and the accepted samples reach the target batch size.
@@ -267,6 +299,7 @@ def decide_commit(
         group: peer ids of the round's participants.
         live_trainers: trainers of the run with a live progress report (this peer included).
         samples: accepted samples of the round (``ClaimDecision.samples``).
+        tolerance: the step may carry this fraction fewer than ``target_batch_size`` (``step_bounds``).
     """
     if not mine.ok:
         return Abandon(f"local all-reduce incomplete: {mine.reason}")
@@ -283,8 +316,10 @@ def decide_commit(
     live_trainers = max([live_trainers, *(votes[p].live for p in group)])
     if len(group) < live_trainers // 2 + 1:
         return Abandon(f"group of {len(group)} is not a majority of {live_trainers} live trainers")
-    if samples < target_batch_size:
-        return Abandon(f"round carries {samples} samples, fewer than target_batch_size={target_batch_size}")
+    low, _ = step_bounds(target_batch_size, tolerance)
+    if samples < low:
+        return Abandon(f"round carries {samples} samples, fewer than target_batch_size={target_batch_size}"
+                       + (f" less {tolerance:.0%}" if tolerance else ""))
     return Commit()
 
 
@@ -310,6 +345,8 @@ class ProgressReport:
     # the reporter has a snapshot store (--snapshot-to): it can be the run's elected snapshot writer
     snapshots: bool = False
     left: bool = False  # the reporter's last report: it stopped training (max_steps, a signal, a pause)
+    # samples the reporter plans to bring to the step it is at (its part of the step plan, ``protocol.plan``)
+    quota: Optional[int] = None
 
     def encode(self) -> bytes:
         extra = {"cursor": dict(self.cursor)} if self.cursor is not None else {}
@@ -319,6 +356,8 @@ class ProgressReport:
             extra["snapshots"] = True
         if self.left:
             extra["left"] = True
+        if self.quota is not None:
+            extra["quota"] = self.quota
         return pack(dict(type="progress", version=ROUND_VERSION, step=self.step, samples=self.samples,
                          sps=self.samples_per_second, role=self.role.value, state_hash=self.state_hash,
                          time=self.time, maddrs=list(self.maddrs[:8]), finished=self.finished,
@@ -338,9 +377,8 @@ class ProgressReport:
                    claimed=RangeSet.from_list(d.get("claimed", [])), data_epoch=int_field(d, "data_epoch"),
                    cursor=_summary(d["cursor"]) if "cursor" in d else None,
                    certificate=bytes_field(d, "certificate", 8192) if "certificate" in d else b"",
-                   snapshots=d.get("snapshots", False), left=d.get("left", False))
-
-
+                   snapshots=d.get("snapshots", False), left=d.get("left", False),
+                   quota=int_field(d, "quota", 0, 2**40) if "quota" in d else None)
 
 
 def _summary(d: object) -> dict[str, int]:
@@ -411,32 +449,6 @@ def preferred_hash(view: SwarmView, *, step: int, me: str = "") -> Optional[str]
         if p != me and r.step == step:
             counts[r.state_hash] = counts.get(r.state_hash, 0) + 1
     return min(counts, key=lambda h: (-counts[h], h)) if counts else None
-
-
-def should_start_round(view: SwarmView, *, me: str, step: int, samples: int, target_batch_size: int) -> bool:
-    """Enter matchmaking once the trainers at our step together report at least ``target_batch_size``
-    samples (our own count taken from ``samples``, not from our possibly stale report). Never on an ETA.
-
-    A peer with nothing accumulated joins only when the others alone reach the target; it takes part with zero
-    weight (weights are the claimed samples). Without it, a peer holding every block left in a data epoch waits
-    forever for a group that a peer with no block to take never enters."""
-    others = sum(r.samples for p, r in view.trainers.items() if r.step == step and p != me)
-    if samples <= 0:
-        return others >= target_batch_size
-    return others + samples >= target_batch_size
-
-
-def accumulation_cap(view: SwarmView, *, me: str, step: int, samples_per_second: float, target_batch_size: int,
-                     slack: float = 1.25) -> int:
-    """How many samples this peer should accumulate for the next step: its share of ``target_batch_size`` in
-    proportion to its speed among the trainers at its step (with ``slack``), so that a swarm whose reports are a
-    moment old does not overshoot the target several times over, and a fast peer still contributes more. With no
-    speeds known yet, an equal share."""
-    rates = {p: r.samples_per_second for p, r in view.trainers.items() if r.step == step and p != me}
-    rates[me] = samples_per_second
-    total = sum(rates.values())
-    share = samples_per_second / total if total > 0 and samples_per_second > 0 else 1.0 / len(rates)
-    return max(1, int(slack * target_batch_size * share + 0.999))
 
 
 #: report TTLs a vanished trainer must stay silent before a peer may count it gone (see ``may_step_alone``)

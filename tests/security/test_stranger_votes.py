@@ -85,7 +85,8 @@ def test_a_strangers_failed_vote_does_not_end_a_members_wait(tmp_path):
             outcome = RoundOutcome(GROUP, tuple(ids), (), (), True)
             t0 = time.monotonic()
             decision, _ = await runner._vote(outcome, step=STEP, cursor=DataCursor.new(seed=1, num_examples=100,
-                                                                                       block_size=8), target=0)
+                                                                                       block_size=8), target=0,
+                                             tolerance=0.0)
             return decision, time.monotonic() - t0
 
         decision, waited = asyncio.run(vote())

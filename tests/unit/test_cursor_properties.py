@@ -127,7 +127,7 @@ class SwarmModel(RuleBasedStateMachine):
             members = sorted(set(view.trainers) | {peer.name})
         count = max(1, math.ceil(peer.batch_size / cursor.block_size))
         blocks = pick_blocks(cursor, count, member=members.index(peer.name), members=len(members),
-                             exclude=peer.claimed.add(leased), salt=int(peer.name[1:]) * 7)
+                             exclude=peer.claimed.add(leased))
         assert not set(blocks) & set(cursor.applied), "picked an applied block"
         assert not set(blocks) & set(peer.claimed), "picked a block it already holds"
         if not stale:

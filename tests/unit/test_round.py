@@ -15,7 +15,7 @@ from swarmrun.protocol.round import (
     claim_samples,
     decide_claims,
     decide_commit,
-    should_start_round,
+    step_bounds,
 )
 
 CURSOR = DataCursor.new(seed=1, num_examples=100, block_size=8)  # 13 blocks, the last one holds 4
@@ -96,16 +96,6 @@ def report(step, samples, role=Role.TRAINER, claimed=()):
                           claimed=RangeSet.from_items(claimed))
 
 
-def test_round_starts_on_reported_samples_at_my_step_only():
-    view = SwarmView(reports={"me": report(3, 0), "b": report(3, 40), "c": report(2, 500),
-                              "k": report(3, 900, role=Role.KEEPER)})
-    assert not should_start_round(view, me="me", step=3, samples=20, target_batch_size=64)
-    assert should_start_round(view, me="me", step=3, samples=24, target_batch_size=64)
-    # with nothing accumulated: only when the others alone reach the target (it joins with zero weight)
-    assert not should_start_round(view, me="me", step=3, samples=0, target_batch_size=41)
-    assert should_start_round(view, me="me", step=3, samples=0, target_batch_size=40)
-
-
 def test_leases_of_other_trainers_at_my_step():
     view = SwarmView(reports={"me": report(3, 0, claimed=[1]), "b": report(3, 8, claimed=[4, 5]),
                               "c": report(2, 8, claimed=[7])})
@@ -174,22 +164,29 @@ def test_progress_report_carries_the_cursor_summary_and_tolerates_its_absence():
     assert run_accounting(SwarmView(reports={"c": view.reports["c"]})) is None
 
 
-def test_accumulation_cap_shares_the_target_by_speed():
-    from swarmrun.protocol.round import ProgressReport, Role, SwarmView, accumulation_cap
+def test_claims_keep_the_step_within_its_size_bounds():
+    assert step_bounds(64, 0.05) == (61, 67) and step_bounds(80, 0.0) == (80, 80)
+    # 3 participants of 24 for a target of 48: the third would take the step to 72 > 50: left out, not refused
+    d = decide_claims([meta([0, 1, 2]), meta([3, 4, 5]), meta([6, 7, 8])], CURSOR, target=48, tolerance=0.05)
+    assert d.samples == 48 and d.excess == (2,) and d.refused == () and d.weights == (24.0, 24.0, 0.0)
+    assert set(d.applied) == {0, 1, 2, 3, 4, 5}
+    # a later claim that still fits is taken after one that did not
+    d = decide_claims([meta([0]), meta([1, 2, 3, 4, 5]), meta([6])], CURSOR, target=16, tolerance=0.05)
+    assert d.samples == 16 and d.excess == (1,)
+    # what fits stays short of the lower bound: every valid claim is taken (a larger step, no work lost)
+    d = decide_claims([meta([0, 1, 2]), meta([3, 4, 5])], CURSOR, target=40, tolerance=0.05)
+    assert d.samples == 48 and d.excess == () and d.weights == (24.0, 24.0)
+    # an overlapping claim is refused as before, whatever the target
+    d = decide_claims([meta([0, 1]), meta([1, 2]), meta([5])], CURSOR, target=24)
+    assert d.refused == (1,) and d.samples == 24
 
-    def report(step, sps):
-        return ProgressReport(step=step, samples=0, samples_per_second=sps, role=Role.TRAINER, state_hash="a" * 64,
-                              time=0.0)
 
-    view = SwarmView(reports={"fast": report(3, 300.0), "slow": report(3, 100.0), "behind": report(2, 1e6)})
-    # a peer at step 3 running at 100 samples/s next to one at 300: a quarter of the target, with slack
-    assert accumulation_cap(view, me="slow", step=3, samples_per_second=100.0, target_batch_size=400) == 125
-    assert accumulation_cap(view, me="fast", step=3, samples_per_second=300.0, target_batch_size=400) == 375
-    # the caps together cover the target (the round starts), with at most the slack on top
-    assert 400 <= 125 + 375 <= 1.25 * 400
-    # speeds not known yet: equal shares; alone: the whole target and the slack
-    assert accumulation_cap(view, me="new", step=3, samples_per_second=0.0, target_batch_size=300) == 125
-    assert accumulation_cap(SwarmView(reports={}), me="me", step=0, samples_per_second=5.0, target_batch_size=64) == 80
+def test_commit_takes_a_short_step_within_the_tolerance():
+    votes = {"a": Vote(step=3, group_id="g", grad_hash="h", ok=True), "b": Vote(step=3, group_id="g", grad_hash="h", ok=True)}
+    kw = dict(mine=votes["a"], votes=votes, group=["a", "b"], live_trainers=2)
+    assert decide_commit(**kw, samples=96, target_batch_size=100, tolerance=0.05) == Commit()
+    assert isinstance(decide_commit(**kw, samples=94, target_batch_size=100, tolerance=0.05), Abandon)
+    assert isinstance(decide_commit(**kw, samples=96, target_batch_size=100), Abandon)
 
 
 def test_two_groups_with_partial_views_cannot_both_commit():
@@ -254,3 +251,12 @@ def test_a_solo_commit_needs_evidence_not_vanished_records():
     # a majority vanished at once: wait well beyond the quiet period, then take it as gone
     assert not ok(last_seen={"b": 1000.0 - 3 * ttl - 1, "c": 1000.0 - 3 * ttl - 1}, left=(), peak_live=3)
     assert ok(last_seen={"b": 1000.0 - 12 * ttl - 1, "c": 1000.0 - 12 * ttl - 1}, left=(), peak_live=3)
+
+
+def test_claims_keep_the_fullest_subset_that_fits():
+    # greedy in gathered order would keep 24 + 24 and stop short of 64; the fullest subset is 24 + 40
+    d = decide_claims([meta([0, 1, 2]), meta([3, 4, 5]), meta([6, 7, 8, 9, 10])], CURSOR, target=64, tolerance=0.05)
+    assert d.samples == 64 and d.excess == (1,) and d.weights == (24.0, 0.0, 40.0)
+    # a peer that computed a whole target alone (waiting for --min-peers) next to two smaller parts: one part of 64
+    d = decide_claims([meta([0, 1, 2]), meta([3, 4, 5, 6, 7, 8, 9, 10]), meta([11])], CURSOR, target=64)
+    assert d.samples == 64 and d.excess == (0, 2)

@@ -31,7 +31,8 @@ from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.errors import ProtocolError
 from swarmrun.node import faults
 from swarmrun.protocol.records import group_bits
-from swarmrun.protocol.round import ClaimDecision, RoundMeta, check_round_meta, decide_claims
+from swarmrun.protocol.round import (DEFAULT_STEP_TOLERANCE, ClaimDecision, RoundMeta, check_round_meta, decide_claims,
+                                     step_bounds)
 
 logger = get_logger(__name__)
 SUSPECT_STEPS = 10  # rounds a sender caught with bad gradients is refused in
@@ -184,6 +185,7 @@ class RoundAverager(DecentralizedAverager):
         self._recent_norms: collections.deque = collections.deque(maxlen=NORM_HISTORY)  # of complete rounds
         self._round_step: Optional[int] = None
         self._round_cursor: Optional[DataCursor] = None
+        self._round_bounds: tuple = (None, DEFAULT_STEP_TOLERANCE)  # the step's size bounds (prepare_round)
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def __del__(self):
@@ -191,22 +193,34 @@ class RoundAverager(DecentralizedAverager):
             super().__del__()
 
     # ---- runs in the averager process ---------------------------------------------------------------
-    def prepare_round(self, step: int, cursor: DataCursor, revocations=None) -> None:
+    def prepare_round(self, step: int, cursor: DataCursor, revocations=None, *, target: Optional[int] = None,
+                      tolerance: float = DEFAULT_STEP_TOLERANCE, group_size: Optional[int] = None) -> None:
         """Tell the averager process which step the next round is for and the cursor its claims are
         decided against. hivemind's control pipe is the only channel into that process; its messages are
         handled in order, so this arrives before the ``step()`` call that follows it. The pipe dispatches by method
         name: that is hivemind's protocol for it (``DecentralizedAverager._run_internal``), not one of ours; this
-        is its only use, and the name is this class's own method."""
-        encoded = revocations.encode() if revocations is not None else None
-        self._outer_pipe.send(("_set_round_context", [step, cursor.to_dict(), encoded], {}))
+        is its only use, and the name is this class's own method.
 
-    async def _set_round_context(self, step: int, cursor: dict, revocations: Optional[bytes] = None) -> None:
+        ``target``/``tolerance``: the step's size bounds (the claim decision keeps the step within them);
+        ``group_size``: the members of the step plan; a group assembles the moment it holds them all."""
+        encoded = revocations.encode() if revocations is not None else None
+        self._outer_pipe.send(("_set_round_context", [step, cursor.to_dict(), encoded],
+                               dict(target=target, tolerance=tolerance, group_size=group_size)))
+
+    async def _set_round_context(self, step: int, cursor: dict, revocations: Optional[bytes] = None, *,
+                                 target: Optional[int] = None, tolerance: float = DEFAULT_STEP_TOLERANCE,
+                                 group_size: Optional[int] = None) -> None:
         if self._round_step is None:
             from swarmrun.node.net.streams import quiet_dropped_streams
 
             quiet_dropped_streams(asyncio.get_running_loop())  # this process's loop too
         self._round_step = step
         self._round_cursor = DataCursor.from_dict(cursor)
+        self._round_bounds = (target, tolerance)
+        # hivemind's leader assembles its group as soon as it holds target_group_size members (matchmaking.py,
+        # rpc_join_group): the plan's member count, so a round starts when its last member joins, not at the end
+        # of matchmaking_time. Set per round: the run's live trainers change
+        self._matchmaking.target_group_size = group_size if group_size and group_size >= 2 else None
         if revocations is not None and self.gate is not None:
             from swarmrun.protocol.access import Revocations
 
@@ -264,10 +278,14 @@ class RoundAverager(DecentralizedAverager):
             if found is not None:
                 raise_matchmaking(f"group member {peer[-6:]} refused: {found}")
         modes = tuple(AveragingMode(unpack(blob)[1]) for blob in group_info.gathered)
-        claims: ClaimDecision = decide_claims(metas, self._round_cursor)
+        target, tolerance = self._round_bounds
+        claims: ClaimDecision = decide_claims(metas, self._round_cursor, target=target, tolerance=tolerance)
         sender_weights = [w for w, mode in zip(claims.weights, modes) if mode != AveragingMode.AUX]
         if sum(sender_weights) <= 0:
             return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, "no accepted samples")
+        if target is not None and claims.samples < step_bounds(target, tolerance)[0]:  # known before any tensor moves
+            return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False,
+                                f"round carries {claims.samples} samples, fewer than the step's {target}")
         fractions = tuple(0.0 if m == AveragingMode.CLIENT else 1.0 for m in modes)
         kwargs.pop("weight", None)
         try:

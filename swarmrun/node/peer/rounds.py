@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from hivemind import DHT
@@ -93,25 +93,36 @@ class RoundRunner:
                 else:
                     buf.copy_(g.detach().float().cpu() / max(1, samples))
 
-    async def attempt(self, meta: RoundMeta, *, cursor: DataCursor, target: int) -> RoundResult:
+    async def attempt(self, meta: RoundMeta, *, cursor: DataCursor, target: int, tolerance: float,
+                      eta: float = 0.0, group_size: Optional[int] = None) -> RoundResult:
         """Average the loaded gradient with a group, then vote.
+
+        ``eta``: seconds until the slowest member of the step plan should have computed its part; the group is
+        declared until then (and at least ``matchmaking_time``), and assembles at once when it holds ``group_size``.
 
         Raises:
             Stopped: a stop came first. SwarmMovedOn: the others committed the step before a group formed.
             Exception: no group formed, or the averager failed (the round is abandoned).
         """
-        self.averager.prepare_round(meta.step, cursor, self.gate.revocations)
+        self.averager.prepare_round(meta.step, cursor, self.gate.revocations, target=target, tolerance=tolerance,
+                                    group_size=group_size)
         t0 = time.perf_counter()
-        control = self.averager.step(gather=meta.encode(), weight=float(max(meta.samples, 1)),
-                                     timeout=self.config.averaging_timeout, allow_retries=True, wait=False)
-        outcome: RoundOutcome = await self._unless_stopped(self._outcome(control))
-        decision, claims = await self._vote(outcome, step=meta.step, cursor=cursor, target=target)
+        # hivemind's followers join a leader whose declaration expires before theirs. A member that finishes early
+        # declares until a matchmaking time after the slowest should be done; the last one (eta 0) declares two: so
+        # it joins the early ones' group instead of leading one they must move to. A full group assembles at once
+        # (target_group_size), so the margin costs only when a planned member does not come
+        mm = self.config.matchmaking_time
+        scheduled = get_dht_time() + (eta + mm if eta > 0 else 2 * mm)
+        control = self.averager.step(gather=meta.encode(), weight=float(max(meta.samples, 1)), scheduled_time=scheduled,
+                                     timeout=self.config.averaging_timeout + eta, allow_retries=True, wait=False)
+        outcome: RoundOutcome = await self._unless_stopped(self._outcome(control, eta))
+        decision, claims = await self._vote(outcome, step=meta.step, cursor=cursor, target=target, tolerance=tolerance)
         return RoundResult(decision, claims, outcome, time.perf_counter() - t0)
 
-    async def _outcome(self, control) -> RoundOutcome:
+    async def _outcome(self, control, eta: float = 0.0) -> RoundOutcome:
         """The averager's outcome; a round still looking for a group is cancelled once the swarm moved past its
         step (only while matchmaking: a formed group's all-reduce is never left half-way by this peer)."""
-        result = asyncio.ensure_future(await_future(control, self.config.averaging_timeout + 5))
+        result = asyncio.ensure_future(await_future(control, self.config.averaging_timeout + eta + 5))
         try:
             while not result.done():
                 await asyncio.wait([result], timeout=MOVED_ON_POLL)
@@ -135,8 +146,8 @@ class RoundRunner:
             raise Stopped()
         return task.result()
 
-    async def _vote(self, outcome: RoundOutcome, *, step: int, cursor: DataCursor, target: int):
-        claims = decide_claims(outcome.metas, cursor)
+    async def _vote(self, outcome: RoundOutcome, *, step: int, cursor: DataCursor, target: int, tolerance: float):
+        claims = decide_claims(outcome.metas, cursor, target=target, tolerance=tolerance)
         with self.averager.get_tensors() as buffers:
             finite = all(bool(torch.isfinite(b).all()) for b in buffers)
             grad_hash = digest_tensors(buffers)
@@ -156,5 +167,5 @@ class RoundRunner:
                 break
             await asyncio.sleep(VOTE_POLL)
         decision = decide_commit(mine=mine, votes=votes, group=outcome.peer_ids, live_trainers=live,
-                                 samples=claims.samples, target_batch_size=target)
+                                 samples=claims.samples, target_batch_size=target, tolerance=tolerance)
         return decision, claims

@@ -34,16 +34,16 @@ from swarmrun.node.tasks.base import Task, batch_len, batch_to
 from swarmrun.protocol.cursor import RangeSet
 from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, Stopped, SwarmrunError
 from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE
+from swarmrun.protocol.plan import my_quota, plan_step, ready_for_round, round_eta, shortfall_taker
 from swarmrun.protocol.round import (
+    DEFAULT_STEP_TOLERANCE,
     Commit,
     ProgressReport,
     Role,
     RoundMeta,
     SwarmView,
-    accumulation_cap,
     decide_claims,
     pick_blocks,
-    should_start_round,
     step_target,
 )
 from swarmrun.protocol.spec import Spec
@@ -99,6 +99,10 @@ class Trainer:
         self.params = [p for p in state.model.parameters()]
         self.samples = 0  # samples accumulated toward the next step
         self.claimed = RangeSet()  # blocks whose gradients are in the accumulator
+        self.quota: Optional[int] = None  # samples this peer brings to the next step (its part of the plan, published)
+        self.spent = False  # no free block is left to this peer for the next step (its part ends with what it has)
+        self.ready_at = 0.0  # DHT time this peer's part of the next step was computed (0: not yet)
+        self.floor = 0  # a round fell short and this peer takes the rest: its part is at least this
         # set by a signal (even one that came before the trainer existed), a pause, or the library's caller
         self.stop_requested = stop_requested if stop_requested is not None else asyncio.Event()
         self.finished = False
@@ -213,19 +217,30 @@ class Trainer:
             await asyncio.sleep(self.config.report_interval)
         elif len(self.view.trainers) < self.config.min_peers:
             if self.samples < self.spec.target_batch_size:
-                await self._compute_once()
+                await self._compute_once(self.spec.target_batch_size)
             else:
                 await asyncio.sleep(self.config.report_interval)
-        elif should_start_round(self.view, me=self.peer_id, step=self.state.step, samples=self.samples,
-                                target_batch_size=self._target()):
-            await self.run_round()
-        elif self.samples >= accumulation_cap(self.view, me=self.peer_id, step=self.state.step,
-                                              samples_per_second=self.samples_per_second,
-                                              target_batch_size=self._target()):
-            await asyncio.sleep(0.05)  # our share is done: the others' next reports complete the target
         else:
-            await self._compute_once()
+            quota = self.quota = self._my_quota()
+            if ready_for_round(self.view, me=self.peer_id, step=self.state.step, samples=self.samples, quota=quota,
+                               target=self._target()):
+                await self.run_round()
+            elif self.samples >= quota:
+                await asyncio.sleep(0.05)  # nothing to bring: the others' parts make the step
+            else:
+                await self._compute_once(quota)
         return None
+
+    def _my_quota(self) -> int:
+        """This peer's part of the next step (``protocol.plan``); once no free block is left to it, what it has."""
+        if self.spent:
+            return self.samples
+        quota = my_quota(self._plan(), self.view, me=self.peer_id, step=self.state.step, samples=self.samples)
+        return max(quota, self.floor)
+
+    def _plan(self):
+        return plan_step(self.view, me=self.peer_id, step=self.state.step, my_rate=self.samples_per_second,
+                         target=self._target(), block_size=self.state.cursor.block_size)
 
     async def _serve_laggards(self) -> None:
         """Once finished, keep serving the final state (and reporting `finished`) while live trainers are still
@@ -241,24 +256,26 @@ class Trainer:
     def _target(self) -> int:
         return step_target(self.state.cursor, self.spec.target_batch_size)
 
+    def _tolerance(self) -> float:
+        return float(self.spec.hparams.get("step_tolerance", DEFAULT_STEP_TOLERANCE))
+
     def _behind(self) -> bool:
         return self.catchup.behind()
 
     # ---- gradients -----------------------------------------------------------------------------------
-    def _take_blocks(self) -> list[int]:
+    def _take_blocks(self, quota: int) -> list[int]:
+        """The next blocks to compute: a batch, or what is left of this peer's part if less."""
         cursor = self.state.cursor
-        count = max(1, math.ceil(self.config.batch_size / cursor.block_size))
+        count = max(1, math.ceil(min(self.config.batch_size, quota - self.samples) / cursor.block_size))
         leased = self.view.leased(me=self.peer_id, step=self.state.step, data_epoch=cursor.data_epoch)
         members = sorted(set(self.view.trainers) | {self.peer_id})
-        me = members.index(self.peer_id)
-        # the fallback walk starts at this member's share of the order: apart from the others', and independent
-        # of the peer's identity (a run resumed on one peer takes the same blocks as one that never paused)
-        salt = me * cursor.num_blocks // len(members)
-        return pick_blocks(cursor, count, member=me, members=len(members), exclude=self.claimed.add(leased), salt=salt)
+        return pick_blocks(cursor, count, member=members.index(self.peer_id), members=len(members),
+                           exclude=self.claimed.add(leased))
 
-    async def _compute_once(self) -> None:
-        blocks = self._take_blocks()
-        if not blocks:  # every block of the epoch is applied or claimed by us: wait for the round
+    async def _compute_once(self, quota: int) -> None:
+        blocks = self._take_blocks(quota)
+        if not blocks:  # every free block of the epoch is applied, held by us or leased: our part is what we hold
+            self.spent = True
             await asyncio.sleep(self.config.report_interval)
             return
         t0 = time.perf_counter()
@@ -288,12 +305,16 @@ class Trainer:
             p.grad = None
         self.samples = 0
         self.claimed = RangeSet()
+        self.spent = False
+        self.ready_at = 0.0
+        self.quota = None
+        self.floor = 0
 
     # ---- the round -----------------------------------------------------------------------------------
     def _meta(self) -> RoundMeta:
         return RoundMeta(spec_hash=self.spec.spec_hash(), step=self.state.step, samples=self.samples,
                          blocks=self.claimed, data_epoch=self.state.cursor.data_epoch, grad_norm=self._grad_norm(),
-                         certificate=self.gate.credentials or b"")
+                         certificate=self.gate.credentials or b"", ready_at=self.ready_at)
 
     def _grad_norm(self) -> float:
         norms = [p.grad.detach().float().norm() for p in self.params if p.grad is not None]
@@ -301,7 +322,10 @@ class Trainer:
         return value if math.isfinite(value) else -1.0
 
     async def run_round(self) -> None:
-        """One attempt at the next step. Commits, or abandons and keeps the accumulated gradients."""
+        """One attempt at the next step. Commits, or abandons and keeps the accumulated gradients (unless the round
+        refused or left out its claim: those blocks are computed again)."""
+        if not self.ready_at:
+            self.ready_at = get_dht_time()
         if len(self.view.trainers) <= 1 and self.samples >= self._target():
             await self._commit_alone()
             return
@@ -311,8 +335,11 @@ class Trainer:
             self._zero_accumulator()
             return
         self.rounds.load([p.grad for p in self.params], self.samples)
+        plan = self._plan()
         try:
-            result = await self.rounds.attempt(meta, cursor=self.state.cursor, target=self._target())
+            result = await self.rounds.attempt(meta, cursor=self.state.cursor, target=self._target(),
+                                               tolerance=self._tolerance(), group_size=len(plan.quotas),
+                                               eta=round_eta(plan, self.view, me=self.peer_id, step=self.state.step))
         except Stopped:
             raise
         except Exception as e:
@@ -321,18 +348,25 @@ class Trainer:
             return
         claims, outcome = result.claims, result.outcome
         if isinstance(result.decision, Commit):
+            ready = max([m.ready_at for m in outcome.metas if m.ready_at] or [self.ready_at])
             await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
             self._after_commit()
             self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=result.seconds,
-                                                          samples=claims.samples, blocks=claims.applied.to_list()))
+                                                          samples=claims.samples, blocks=claims.applied.to_list(),
+                                                          round_overhead_s=round(max(0.0, get_dht_time() - ready), 3)))
         else:
             me = outcome.peer_ids.index(self.peer_id) if self.peer_id in outcome.peer_ids else -1
             if me in claims.refused:
                 logger.warning("my claimed blocks overlapped another participant's: dropping my accumulated gradients")
                 self._zero_accumulator()
+            short = self._target() - claims.samples
             self._abandon(result.decision.reason)
+            if me >= 0 and me not in claims.refused and short > 0 and shortfall_taker(list(outcome.peer_ids),
+                                                                                      me=self.peer_id):
+                self.floor = self.samples + short  # the round fell short: this peer computes the rest
 
     def _abandon(self, reason: str) -> None:
+        self.spent, self.ready_at = False, 0.0  # the part is planned again (the swarm may have changed)
         self.stats["rounds_abandoned"] += 1
         self.failed_rounds += 1
         logger.warning(f"round abandoned: {reason}")
@@ -346,10 +380,12 @@ class Trainer:
         if claims.refused:
             self._zero_accumulator()
             return
+        ready = self.ready_at or get_dht_time()
         await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=False)
         self._after_commit()
         self.events.emit("step", **self._step_fields(group=1, round_s=0.0, samples=claims.samples,
-                                                      blocks=claims.applied.to_list()))
+                                                      blocks=claims.applied.to_list(),
+                                                      round_overhead_s=round(max(0.0, get_dht_time() - ready), 3)))
 
     def _apply_step(self, applied: RangeSet, *, from_buffers: bool) -> None:
         """The committed step: the optimizer on the (identical) averaged gradient, then cursor and step advance."""
@@ -427,7 +463,7 @@ class Trainer:
                               certificate=self.gate.credentials or b"",
                               claimed=RangeSet() if leaving else self.claimed, data_epoch=self.state.cursor.data_epoch,
                               cursor=self.state.cursor.summary(), snapshots=self.snapshots,
-                              left=left)
+                              left=left, quota=None if leaving else self.quota)
 
     def _on_tick(self) -> None:
         if self.state.step > 0:

@@ -1,0 +1,125 @@
+"""The step plan, sans-IO: how many samples each trainer brings to a step, and when it enters the round.
+
+A step carries ``target`` samples (``round.step_target``). The live trainers split it in proportion to their
+reported speeds, in whole blocks (largest remainder, ties to the smaller peer id), so that they finish their parts
+together and the step is the size it was asked to be. Each trainer publishes its part (``ProgressReport.quota``);
+where the published parts of the others leave the step short (their views differed a moment), the first member
+takes the rest, and where they overshoot the last member gives back what it has not computed yet. A trainer enters
+matchmaking as soon as its part is computed, with the time the slowest member should finish (``round_eta``): its
+group forms while the others compute, and the all-reduce starts when the last part is done.
+
+Every function here reads only a ``SwarmView`` and numbers: the same on every peer that sees the same reports.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from swarmrun.protocol.round import ProgressReport, SwarmView
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Samples per member for one step (members: sorted peer ids of the trainers taking part)."""
+
+    target: int
+    quotas: Mapping[str, int]
+
+    @property
+    def members(self) -> list[str]:
+        return sorted(self.quotas)
+
+
+def plan_members(view: SwarmView, *, me: str, step: int) -> dict[str, ProgressReport]:
+    """The trainers a step is planned with: live trainers at this step or one behind (their commit of the previous
+    step is on its way: their report is a moment old), not leaving; this peer always."""
+    return {p: r for p, r in view.trainers.items()
+            if p == me or (step - 1 <= r.step <= step and not r.left and not r.finished)}
+
+
+def plan_step(view: SwarmView, *, me: str, step: int, my_rate: float, target: int, block_size: int) -> StepPlan:
+    """Split ``target`` among the members by speed, in blocks of ``block_size``.
+
+    A member that reports no speed yet (it just joined) counts at the mean speed of the others, or 1 if none is
+    known. The last part is trimmed so that the parts add up to exactly ``target`` samples.
+    """
+    members = plan_members(view, me=me, step=step)
+    rates = {p: (my_rate if p == me else r.samples_per_second) for p, r in members.items()}
+    rates.setdefault(me, my_rate)
+    known = [v for v in rates.values() if v > 0]
+    fill = sum(known) / len(known) if known else 1.0
+    rates = {p: (v if v > 0 else fill) for p, v in rates.items()}
+    total = sum(rates.values())
+    blocks = math.ceil(target / block_size)
+    raw = {p: blocks * rates[p] / total for p in sorted(rates)}
+    counts = {p: math.floor(x) for p, x in raw.items()}
+    left = blocks - sum(counts.values())
+    for p in sorted(raw, key=lambda p: (-(raw[p] - counts[p]), p))[:left]:
+        counts[p] += 1
+    quotas = {p: c * block_size for p, c in counts.items()}
+    over = sum(quotas.values()) - target
+    for p in sorted(quotas, reverse=True):  # whole blocks overshoot a target that is not a multiple of them
+        cut = min(over, quotas[p])
+        quotas[p] -= cut
+        over -= cut
+    return StepPlan(target=target, quotas=quotas)
+
+
+def my_quota(plan: StepPlan, view: SwarmView, *, me: str, step: int, samples: int) -> int:
+    """This trainer's part, reconciled with what the others published for this step.
+
+    A member at this step that published its part counts with it (or with what it already computed, if more);
+    one not yet at this step counts with its part of this plan. A shortfall goes to the first member, a surplus
+    comes off the last one's part (never below what it computed already).
+    """
+    mine = plan.quotas.get(me, 0)
+    planned = dict(plan.quotas)
+    for p in plan.members:
+        r = view.trainers.get(p)
+        if p != me and r is not None and r.step == step and r.quota is not None:
+            planned[p] = max(r.quota, r.samples)
+    planned[me] = max(mine, samples)
+    gap = plan.target - sum(planned.values())
+    if gap > 0 and me == plan.members[0]:
+        mine += gap
+    elif gap < 0 and me == plan.members[-1]:
+        mine = max(samples, mine + gap)
+    return mine
+
+
+def others_planned(view: SwarmView, *, me: str, step: int) -> int:
+    """Samples the other trainers at this step hold or plan to bring (their published parts)."""
+    return sum(max(r.samples, r.quota or 0) for p, r in view.trainers.items() if p != me and r.step == step)
+
+
+def ready_for_round(view: SwarmView, *, me: str, step: int, samples: int, quota: int, target: int) -> bool:
+    """Enter matchmaking once this trainer's part is computed. With nothing to bring (no free block left to it),
+    only when the others' parts make the step: it takes part with zero weight (weights are the claimed samples);
+    without it, a peer holding every block left in a data epoch would wait for a group that never forms."""
+    if samples <= 0:
+        return others_planned(view, me=me, step=step) >= target
+    return samples >= quota
+
+
+def round_eta(plan: StepPlan, view: SwarmView, *, me: str, step: int) -> float:
+    """Seconds until the slowest other member of the plan should have computed its part: what is left of its
+    published part at its speed, or its whole part of this plan if it has not reached this step yet."""
+    eta = 0.0
+    for p in plan.members:
+        r = view.trainers.get(p)
+        if p == me or r is None or r.samples_per_second <= 0:
+            continue
+        if r.step == step and r.quota is not None:
+            left = r.quota - r.samples
+        else:
+            left = plan.quotas.get(p, 0) - (r.samples if r.step == step else 0)
+        eta = max(eta, left / r.samples_per_second)
+    return eta
+
+
+def shortfall_taker(group: list[str], *, me: str) -> bool:
+    """Whether this peer computes what a round fell short by (known to every member from the gathered claims):
+    the first member of the group, by peer id."""
+    return bool(group) and me == min(group)

@@ -1,0 +1,72 @@
+"""The step plan: parts by speed in whole blocks, adding up to the target; reconciling with published parts;
+when a trainer enters the round."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmrun.protocol.plan import my_quota, plan_step, ready_for_round, round_eta
+from swarmrun.protocol.round import ProgressReport, Role, SwarmView
+
+
+def report(step, sps=1.0, samples=0, quota=None, role=Role.TRAINER, left=False):
+    return ProgressReport(step=step, samples=samples, samples_per_second=sps, role=role, state_hash="h", time=0.0,
+                          quota=quota, left=left)
+
+
+def test_parts_follow_speed_in_whole_blocks_and_add_up_to_the_target():
+    view = SwarmView(reports={"a": report(3, 300.0), "b": report(3, 100.0)})
+    plan = plan_step(view, me="a", step=3, my_rate=300.0, target=400, block_size=16)
+    assert plan.quotas == {"a": 304, "b": 96} and sum(plan.quotas.values()) == 400
+    # a target that is not a multiple of the block: the last member's part is trimmed
+    plan = plan_step(view, me="a", step=3, my_rate=300.0, target=100, block_size=16)
+    assert sum(plan.quotas.values()) == 100
+
+
+def test_members_are_live_trainers_at_the_step_or_one_behind():
+    view = SwarmView(reports={"me": report(5), "prev": report(4), "old": report(2), "ahead": report(6),
+                              "keeper": report(5, role=Role.KEEPER), "gone": report(5, left=True)})
+    plan = plan_step(view, me="me", step=5, my_rate=10.0, target=64, block_size=8)
+    assert plan.members == ["me", "prev"]
+    # a newcomer with no speed yet counts at the others' mean
+    view = SwarmView(reports={"me": report(5, 10.0), "new": report(5, 0.0)})
+    assert plan_step(view, me="me", step=5, my_rate=10.0, target=64, block_size=8).quotas == {"me": 32, "new": 32}
+
+
+@settings(max_examples=200, deadline=None)
+@given(rates=st.lists(st.floats(0.0, 1e4), min_size=1, max_size=8), target=st.integers(1, 5000),
+       block=st.integers(1, 64))
+def test_every_view_of_the_same_reports_makes_the_same_plan(rates, target, block):
+    view = SwarmView(reports={f"p{i}": report(0, r) for i, r in enumerate(rates)})
+    plans = [plan_step(view, me=p, step=0, my_rate=view.reports[p].samples_per_second, target=target,
+                       block_size=block) for p in view.reports]
+    assert all(p == plans[0] for p in plans)
+    assert sum(plans[0].quotas.values()) == target and min(plans[0].quotas.values()) >= 0
+
+
+def test_a_short_sum_of_published_parts_goes_to_the_first_member_a_surplus_off_the_last():
+    view = SwarmView(reports={"a": report(3, 1.0), "b": report(3, 1.0)})
+    plan = plan_step(view, me="a", step=3, my_rate=1.0, target=64, block_size=8)
+    assert plan.quotas == {"a": 32, "b": 32}
+    short = SwarmView(reports={"a": report(3, 1.0), "b": report(3, 1.0, quota=24)})
+    assert my_quota(plan, short, me="a", step=3, samples=0) == 40
+    plan_b = plan_step(short, me="b", step=3, my_rate=1.0, target=64, block_size=8)
+    assert my_quota(plan_b, SwarmView(reports={"a": report(3, 1.0, quota=40), "b": report(3)}), me="b", step=3,
+                    samples=8) == 24  # b is the last member: it gives back what a took on
+    # a published part of another step does not count; what was computed is never given back
+    stale = SwarmView(reports={"a": report(2, 1.0, quota=64), "b": report(3)})
+    assert my_quota(plan_b, stale, me="b", step=3, samples=0) == 32
+    over = SwarmView(reports={"a": report(3, 1.0, quota=60), "b": report(3)})
+    assert my_quota(plan_b, over, me="b", step=3, samples=16) == 16
+
+
+def test_entering_the_round_and_its_eta():
+    view = SwarmView(reports={"me": report(3), "b": report(3, 8.0, samples=16, quota=48), "c": report(2, 1.0)})
+    assert not ready_for_round(view, me="me", step=3, samples=24, quota=32, target=80)
+    assert ready_for_round(view, me="me", step=3, samples=32, quota=32, target=80)
+    # with nothing to bring: only when the others' parts make the step
+    assert not ready_for_round(view, me="me", step=3, samples=0, quota=0, target=49)
+    assert ready_for_round(view, me="me", step=3, samples=0, quota=0, target=48)
+    plan = plan_step(view, me="me", step=3, my_rate=8.0, target=80, block_size=8)
+    # b has 32 samples left at 8/s; c (one step behind, 1 sample/s) has its whole part of this plan ahead of it
+    assert round_eta(plan, view, me="me", step=3) == max(4.0, plan.quotas["c"] / 1.0)
+    assert round_eta(plan, SwarmView(reports={"me": report(3)}), me="me", step=3) == 0.0
