@@ -32,11 +32,16 @@ class StepPlan:
         return sorted(self.quotas)
 
 
+#: a trainer this many steps behind still counts in a step's plan: its report may be older than the steps of a fast
+#: swarm (reports are read every report_interval); one further behind is re-syncing and joins the plan after
+PLAN_LAG = 2
+
+
 def plan_members(view: SwarmView, *, me: str, step: int) -> dict[str, ProgressReport]:
-    """The trainers a step is planned with: live trainers at this step or one behind (their commit of the previous
-    step is on its way: their report is a moment old), not leaving; this peer always."""
+    """The trainers a step is planned with: live trainers at this step or up to ``PLAN_LAG`` behind (their commits
+    are on their way: their report is a moment old), not leaving; this peer always."""
     return {p: r for p, r in view.trainers.items()
-            if p == me or (step - 1 <= r.step <= step and not r.left and not r.finished)}
+            if p == me or (step - PLAN_LAG <= r.step <= step and not r.left and not r.finished)}
 
 
 def plan_step(view: SwarmView, *, me: str, step: int, my_rate: float, target: int, block_size: int) -> StepPlan:

@@ -23,10 +23,10 @@ def test_parts_follow_speed_in_whole_blocks_and_add_up_to_the_target():
 
 
 def test_members_are_live_trainers_at_the_step_or_one_behind():
-    view = SwarmView(reports={"me": report(5), "prev": report(4), "old": report(2), "ahead": report(6),
+    view = SwarmView(reports={"me": report(5), "prev": report(4), "prev2": report(3), "old": report(2), "ahead": report(6),
                               "keeper": report(5, role=Role.KEEPER), "gone": report(5, left=True)})
     plan = plan_step(view, me="me", step=5, my_rate=10.0, target=64, block_size=8)
-    assert plan.members == ["me", "prev"]
+    assert plan.members == ["me", "prev", "prev2"]
     # a newcomer with no speed yet counts at the others' mean
     view = SwarmView(reports={"me": report(5, 10.0), "new": report(5, 0.0)})
     assert plan_step(view, me="me", step=5, my_rate=10.0, target=64, block_size=8).quotas == {"me": 32, "new": 32}

@@ -43,6 +43,7 @@ class RoundResult:
     claims: ClaimDecision
     outcome: RoundOutcome
     seconds: float
+    vote_seconds: float = 0.0  # of ``seconds``: from the all-reduce's end to the decision
 
 
 def make_averager(params: Sequence[torch.Tensor], dht: DHT, *, spec: Spec, gate, config) -> RoundAverager:
@@ -116,8 +117,9 @@ class RoundRunner:
         control = self.averager.step(gather=meta.encode(), weight=float(max(meta.samples, 1)), scheduled_time=scheduled,
                                      timeout=self.config.averaging_timeout + eta, allow_retries=True, wait=False)
         outcome: RoundOutcome = await self._unless_stopped(self._outcome(control, eta))
+        t1 = time.perf_counter()
         decision, claims = await self._vote(outcome, step=meta.step, cursor=cursor, target=target, tolerance=tolerance)
-        return RoundResult(decision, claims, outcome, time.perf_counter() - t0)
+        return RoundResult(decision, claims, outcome, time.perf_counter() - t0, time.perf_counter() - t1)
 
     async def _outcome(self, control, eta: float = 0.0) -> RoundOutcome:
         """The averager's outcome; a round still looking for a group is cancelled once the swarm moved past its

@@ -352,8 +352,9 @@ class Trainer:
             await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
             self._after_commit()
             self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=result.seconds,
-                                                          samples=claims.samples, blocks=claims.applied.to_list(),
+                                                          vote_s=round(result.vote_seconds, 3), samples=claims.samples, blocks=claims.applied.to_list(),
                                                           round_overhead_s=round(max(0.0, get_dht_time() - ready), 3)))
+            await self._tell_and_look()
         else:
             me = outcome.peer_ids.index(self.peer_id) if self.peer_id in outcome.peer_ids else -1
             if me in claims.refused:
@@ -364,6 +365,15 @@ class Trainer:
             if me >= 0 and me not in claims.refused and short > 0 and shortfall_taker(list(outcome.peer_ids),
                                                                                       me=self.peer_id):
                 self.floor = self.samples + short  # the round fell short: this peer computes the rest
+
+    async def _tell_and_look(self) -> None:
+        """After a commit: publish the new step at once and read the others' (the next step's plan needs a fresh
+        view; the reporter's interval is longer than a step of a fast swarm)."""
+        try:
+            await asyncio.wait_for(self.reporter.publish(), self.config.report_interval)
+            await asyncio.wait_for(self.reporter.refresh(), self.config.report_interval)
+        except Exception as e:  # the periodic reporter tries again
+            logger.debug(f"could not refresh the view after a commit: {e!r}")
 
     def _abandon(self, reason: str) -> None:
         self.spent, self.ready_at = False, 0.0  # the part is planned again (the swarm may have changed)
