@@ -2,7 +2,7 @@
 presence and its peer's address, and starts and stops one peer (a `node join` child) as its assignment says.
 
 Each peer is a child process in its own session (process group), with its own state dir
-``STATE_DIR/runs/RUN_ID``; it writes snapshots to ``STORE/RUN_ID`` (the pool's store, from the coordinator), so
+``STATE_DIR/runs/RUN_ID`` (its stderr in ``peer.log`` there, its ``--json`` events in ``peer-PID.jsonl``); it writes snapshots to ``STORE/RUN_ID`` (the pool's store, from the coordinator), so
 the last peer of a run that leaves writes its newest state there. A peer is stopped with SIGTERM to its group and
 SIGKILL after ``stop_timeout``: the resident gets the machine back within ``stop_timeout`` plus one tick.
 
@@ -209,27 +209,36 @@ class Agent:
     async def _read(self, peer: _Peer) -> None:
         """The peer's --json events: its address, its steps and snapshots (reported to the coordinator)."""
         assert peer.proc.stdout is not None
-        async for line in peer.proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            kind = event.get("event")
-            if kind == "listening" and event.get("maddrs"):
-                peer.maddr = event["maddrs"][0]
-                self.events.emit("peer_listening", run_id=peer.run_id, maddr=peer.maddr)
-            elif kind == "step":
-                fields = {k: event.get(k) for k in ("step", "loss", "samples_per_second", "peers")}
-                self.events.emit("peer_step", run_id=peer.run_id, **fields)
-                peer.pending = {k: v for k, v in fields.items() if v is not None}
-                await self._flush(peer)
-            elif kind == "snapshot" and event.get("where"):
-                self.events.emit("peer_snapshot", run_id=peer.run_id, step=event.get("step"), where=event["where"])
-                await self._report(peer.run_id, {"step": event["step"], "snapshot": {"url": event["where"], "step": event["step"]}})
-            elif kind == "left":
-                peer.left = event
-            elif kind == "error":
-                self.events.emit("peer_error", run_id=peer.run_id, message=event.get("message"))
+        record = open(self.config.state_dir / "runs" / peer.run_id / f"peer-{peer.proc.pid}.jsonl", "ab")
+        try:
+            async for line in peer.proc.stdout:
+                record.write(line)  # every event as printed, for a post-mortem and the churn harness's checks
+                record.flush()
+                await self._on_peer_line(peer, line)
+        finally:
+            record.close()
+
+    async def _on_peer_line(self, peer: _Peer, line: bytes) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return
+        kind = event.get("event")
+        if kind == "listening" and event.get("maddrs"):
+            peer.maddr = event["maddrs"][0]
+            self.events.emit("peer_listening", run_id=peer.run_id, maddr=peer.maddr)
+        elif kind == "step":
+            fields = {k: event.get(k) for k in ("step", "loss", "samples_per_second", "peers")}
+            self.events.emit("peer_step", run_id=peer.run_id, **fields)
+            peer.pending = {k: v for k, v in fields.items() if v is not None}
+            await self._flush(peer)
+        elif kind == "snapshot" and event.get("where"):
+            self.events.emit("peer_snapshot", run_id=peer.run_id, step=event.get("step"), where=event["where"])
+            await self._report(peer.run_id, {"step": event["step"], "snapshot": {"url": event["where"], "step": event["step"]}})
+        elif kind == "left":
+            peer.left = event
+        elif kind == "error":
+            self.events.emit("peer_error", run_id=peer.run_id, message=event.get("message"))
 
     async def _flush(self, peer: _Peer, *, now: bool = False) -> None:
         """Report the newest step, at most once per ``heartbeat_interval`` (a small run steps many times a second;
