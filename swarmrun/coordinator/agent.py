@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from swarmrun.coordinator.client import Client
 from swarmrun.coordinator.residents import Resident
-from swarmrun.protocol.errors import SwarmrunError
+from swarmrun.protocol.errors import AccessRefused, SwarmrunError, UsageError
 
 __all__ = ["AgentConfig", "Agent", "local_resources"]
 
@@ -84,6 +84,7 @@ class Agent:
         self.peer: Optional[_Peer] = None
         self.store: Optional[str] = None
         self.finished: set[str] = set()
+        self.unreported: dict[str, dict[str, Any]] = {}  # run id -> the newest report the coordinator did not take
         self.waiting: dict[str, float] = {}  # run id -> when this agent began waiting for its newest snapshot
         self.told: set[str] = set()  # runs whose wait was announced (once, not every heartbeat)
         self.last_exit = 0.0
@@ -118,6 +119,9 @@ class Agent:
             body["peer"] = {"run_id": self.peer.run_id, "maddr": self.peer.maddr}
         if self.peer is not None:
             await self._flush(self.peer, now=True)
+        for run_id, report in list(self.unreported.items()):  # sent again once the coordinator is back
+            del self.unreported[run_id]
+            await self._report(run_id, report)
         try:
             answer = await asyncio.to_thread(self.client.post, f"workers/{self.config.worker_id}/heartbeat", body)
         except SwarmrunError as e:  # the coordinator is down or restarting: the peer trains on
@@ -248,10 +252,18 @@ class Agent:
             await self._report(peer.run_id, body)
 
     async def _report(self, run_id: str, body: dict[str, Any]) -> None:
+        """Report progress; a report the coordinator could not take (down, restarting) is kept, merged with any
+        newer one, and sent again on the next tick: a run that finishes while the coordinator is down would
+        otherwise never be reported finished, and would hold its workers for good."""
         try:
             await asyncio.to_thread(self.client.post, f"runs/{run_id}/progress", body)
-        except SwarmrunError as e:  # released meanwhile (403) or the coordinator is down: the peer's steps stand
+        except (AccessRefused, UsageError) as e:  # released meanwhile (403), or refused: the peer's steps stand
             logger.info(f"progress report of run {run_id} not taken: {e}")
+        except SwarmrunError as e:
+            logger.info(f"progress report of run {run_id} not taken, kept to send again: {e}")
+            old = self.unreported.get(run_id, {})
+            newer = (body.get("step") or 0) >= (old.get("step") or 0)
+            self.unreported[run_id] = {**old, **body} if newer else {**body, **old}
 
     async def stop_peer(self, reason: str) -> None:
         """SIGTERM to the peer's process group, SIGKILL after ``stop_timeout``; waits for it."""
