@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=None, help="override the trace's seed")
     r.add_argument("--no-baseline", action="store_true", help="skip the single-process baseline")
     r.add_argument("--json", action="store_true", help="JSON lines; the last one is the summary")
+    r.add_argument("--db", default=None, help="pool traces: the coordinator's SQLAlchemy URL (default: SQLite in its "
+                                              "state dir)")
     rp = sub.add_parser("report", help="recompute summary.json and the plots from a run's folder (events.jsonl)")
     rp.add_argument("dir", metavar="DIR", help="the --out folder of an earlier run")
     rp.add_argument("--trace", required=True, help="the trace that run used")
@@ -63,10 +65,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from swarmrun.protocol.errors import SwarmrunError
 
+    from .pooltrace import is_pool_trace
     from .trace import load_trace
 
     out = _Out(getattr(args, "json", False))
     try:
+        if is_pool_trace(args.trace):
+            return _pool(args, out)
         trace = load_trace(args.trace, seed=args.seed)
         if args.command == "report":
             return _report(args, trace, out)
@@ -82,6 +87,43 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         out("error", code=1, message="interrupted; peers and namespaces cleaned up")
         return 1
+
+
+def _pool(args, out) -> int:
+    """A pool trace (``"kind": "pool"``): a coordinator and agents (:mod:`simulations.poolrun`). SIGTERM and Ctrl-C
+    as for the other traces; ``report DIR`` recomputes from the saved ``pool_record.json``."""
+    from .poolreport import finish_pool, load_record, save_record
+    from .pooltrace import load_pool_trace
+
+    trace = load_pool_trace(args.trace)
+    if args.command == "expand":
+        for ev in trace.events:
+            print(json.dumps(ev.to_dict()))
+        return 0
+    if args.command == "report":
+        rec = load_record(Path(args.dir))
+        if rec is None:
+            from swarmrun.protocol.errors import UsageError
+
+            raise UsageError(f"{args.dir} holds no pool_record.json")
+        return finish_pool(Path(args.dir), trace, rec, args=args, interrupted=False, wall_s=rec.end)
+    from .poolrun import PoolSimulation
+
+    signal.signal(signal.SIGTERM, _sigterm)
+    folder = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix=f"sim-{trace.name}-"))
+    logs = folder / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    sim = PoolSimulation(trace, logs=logs, emit=out, db=getattr(args, "db", None))
+    interrupted = False
+    try:
+        rec = sim.run()
+    except KeyboardInterrupt:
+        interrupted, rec = True, sim.rec
+        out("sim", message="interrupted; every process cleaned up; writing the report of what ran")
+    finally:
+        save_record(folder, sim.rec)
+    return finish_pool(folder, trace, rec, args=args, interrupted=interrupted, wall_s=time.monotonic() - t0)
 
 
 def _run(trace, args, out) -> int:

@@ -2,7 +2,7 @@
 presence and its peer's address, and starts and stops one peer (a `node join` child) as its assignment says.
 
 Each peer is a child process in its own session (process group), with its own state dir
-``STATE_DIR/runs/RUN_ID``; it writes snapshots to ``STORE/RUN_ID`` (the pool's store, from the coordinator), so
+``STATE_DIR/runs/RUN_ID`` (its stderr in ``peer.log`` there, its ``--json`` events in ``peer-PID.jsonl``); it writes snapshots to ``STORE/RUN_ID`` (the pool's store, from the coordinator), so
 the last peer of a run that leaves writes its newest state there. A peer is stopped with SIGTERM to its group and
 SIGKILL after ``stop_timeout``: the resident gets the machine back within ``stop_timeout`` plus one tick.
 
@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from swarmrun.coordinator.client import Client
 from swarmrun.coordinator.residents import Resident
-from swarmrun.protocol.errors import SwarmrunError
+from swarmrun.protocol.errors import AccessRefused, SwarmrunError, UsageError
 
 __all__ = ["AgentConfig", "Agent", "local_resources"]
 
@@ -84,6 +84,7 @@ class Agent:
         self.peer: Optional[_Peer] = None
         self.store: Optional[str] = None
         self.finished: set[str] = set()
+        self.unreported: dict[str, dict[str, Any]] = {}  # run id -> the newest report the coordinator did not take
         self.waiting: dict[str, float] = {}  # run id -> when this agent began waiting for its newest snapshot
         self.told: set[str] = set()  # runs whose wait was announced (once, not every heartbeat)
         self.last_exit = 0.0
@@ -118,6 +119,9 @@ class Agent:
             body["peer"] = {"run_id": self.peer.run_id, "maddr": self.peer.maddr}
         if self.peer is not None:
             await self._flush(self.peer, now=True)
+        for run_id, report in list(self.unreported.items()):  # sent again once the coordinator is back
+            del self.unreported[run_id]
+            await self._report(run_id, report)
         try:
             answer = await asyncio.to_thread(self.client.post, f"workers/{self.config.worker_id}/heartbeat", body)
         except SwarmrunError as e:  # the coordinator is down or restarting: the peer trains on
@@ -209,27 +213,36 @@ class Agent:
     async def _read(self, peer: _Peer) -> None:
         """The peer's --json events: its address, its steps and snapshots (reported to the coordinator)."""
         assert peer.proc.stdout is not None
-        async for line in peer.proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            kind = event.get("event")
-            if kind == "listening" and event.get("maddrs"):
-                peer.maddr = event["maddrs"][0]
-                self.events.emit("peer_listening", run_id=peer.run_id, maddr=peer.maddr)
-            elif kind == "step":
-                fields = {k: event.get(k) for k in ("step", "loss", "samples_per_second", "peers")}
-                self.events.emit("peer_step", run_id=peer.run_id, **fields)
-                peer.pending = {k: v for k, v in fields.items() if v is not None}
-                await self._flush(peer)
-            elif kind == "snapshot" and event.get("where"):
-                self.events.emit("peer_snapshot", run_id=peer.run_id, step=event.get("step"), where=event["where"])
-                await self._report(peer.run_id, {"step": event["step"], "snapshot": {"url": event["where"], "step": event["step"]}})
-            elif kind == "left":
-                peer.left = event
-            elif kind == "error":
-                self.events.emit("peer_error", run_id=peer.run_id, message=event.get("message"))
+        record = open(self.config.state_dir / "runs" / peer.run_id / f"peer-{peer.proc.pid}.jsonl", "ab")
+        try:
+            async for line in peer.proc.stdout:
+                record.write(line)  # every event as printed, for a post-mortem and the churn harness's checks
+                record.flush()
+                await self._on_peer_line(peer, line)
+        finally:
+            record.close()
+
+    async def _on_peer_line(self, peer: _Peer, line: bytes) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return
+        kind = event.get("event")
+        if kind == "listening" and event.get("maddrs"):
+            peer.maddr = event["maddrs"][0]
+            self.events.emit("peer_listening", run_id=peer.run_id, maddr=peer.maddr)
+        elif kind == "step":
+            fields = {k: event.get(k) for k in ("step", "loss", "samples_per_second", "peers")}
+            self.events.emit("peer_step", run_id=peer.run_id, **fields)
+            peer.pending = {k: v for k, v in fields.items() if v is not None}
+            await self._flush(peer)
+        elif kind == "snapshot" and event.get("where"):
+            self.events.emit("peer_snapshot", run_id=peer.run_id, step=event.get("step"), where=event["where"])
+            await self._report(peer.run_id, {"step": event["step"], "snapshot": {"url": event["where"], "step": event["step"]}})
+        elif kind == "left":
+            peer.left = event
+        elif kind == "error":
+            self.events.emit("peer_error", run_id=peer.run_id, message=event.get("message"))
 
     async def _flush(self, peer: _Peer, *, now: bool = False) -> None:
         """Report the newest step, at most once per ``heartbeat_interval`` (a small run steps many times a second;
@@ -239,10 +252,18 @@ class Agent:
             await self._report(peer.run_id, body)
 
     async def _report(self, run_id: str, body: dict[str, Any]) -> None:
+        """Report progress; a report the coordinator could not take (down, restarting) is kept, merged with any
+        newer one, and sent again on the next tick: a run that finishes while the coordinator is down would
+        otherwise never be reported finished, and would hold its workers for good."""
         try:
             await asyncio.to_thread(self.client.post, f"runs/{run_id}/progress", body)
-        except SwarmrunError as e:  # released meanwhile (403) or the coordinator is down: the peer's steps stand
+        except (AccessRefused, UsageError) as e:  # released meanwhile (403), or refused: the peer's steps stand
             logger.info(f"progress report of run {run_id} not taken: {e}")
+        except SwarmrunError as e:
+            logger.info(f"progress report of run {run_id} not taken, kept to send again: {e}")
+            old = self.unreported.get(run_id, {})
+            newer = (body.get("step") or 0) >= (old.get("step") or 0)
+            self.unreported[run_id] = {**old, **body} if newer else {**body, **old}
 
     async def stop_peer(self, reason: str) -> None:
         """SIGTERM to the peer's process group, SIGKILL after ``stop_timeout``; waits for it."""

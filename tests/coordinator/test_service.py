@@ -236,6 +236,32 @@ async def test_a_present_resident_gets_no_peer(tmp_path):
     assert agent.started == []
 
 
+async def test_a_report_the_coordinator_could_not_take_is_sent_again(tmp_path):
+    """A run whose last peer finished while the coordinator was down is reported finished once it is back (the
+    churn harness's pool trace found it held its workers for good otherwise)."""
+    from swarmrun.protocol.errors import RunNotFound
+
+    class _Down:
+        def __init__(self):
+            self.up, self.posts = False, []
+
+        def post(self, path, body=None):
+            if not self.up:
+                raise RunNotFound("coordinator http://127.0.0.1:1 unreachable: [Errno 111] Connection refused")
+            self.posts.append((path, body))
+            return {"assignment": None}
+
+    agent = _agent(tmp_path)
+    agent.client = _Down()
+    await agent._report("r", {"step": 19, "loss": 0.5})
+    await agent._report("r", {"step": 20})
+    await agent._report("r", {"step": 7, "snapshot": {"url": "s@7", "step": 7}})  # an older one: merged under
+    agent.client.up = True
+    await agent.tick()
+    assert agent.client.posts[0] == ("runs/r/progress", {"step": 20, "loss": 0.5, "snapshot": {"url": "s@7", "step": 7}})
+    assert agent.unreported == {}
+
+
 def test_a_restarted_coordinator_does_not_count_its_own_outage_against_the_workers(registry, clock):
     submit(registry, "r")
     worker(registry, "w1")
