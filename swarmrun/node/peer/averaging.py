@@ -186,6 +186,7 @@ class RoundAverager(DecentralizedAverager):
         self._round_step: Optional[int] = None
         self._round_cursor: Optional[DataCursor] = None
         self._round_bounds: tuple = (None, DEFAULT_STEP_TOLERANCE)  # the step's size bounds (prepare_round)
+        self._round_live = 0  # trainers the host saw live (prepare_round)
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def __del__(self):
@@ -194,7 +195,8 @@ class RoundAverager(DecentralizedAverager):
 
     # ---- runs in the averager process ---------------------------------------------------------------
     def prepare_round(self, step: int, cursor: DataCursor, revocations=None, *, target: Optional[int] = None,
-                      tolerance: float = DEFAULT_STEP_TOLERANCE, group_size: Optional[int] = None) -> None:
+                      tolerance: float = DEFAULT_STEP_TOLERANCE, group_size: Optional[int] = None,
+                      live: int = 0) -> None:
         """Tell the averager process which step the next round is for and the cursor its claims are
         decided against. hivemind's control pipe is the only channel into that process; its messages are
         handled in order, so this arrives before the ``step()`` call that follows it. The pipe dispatches by method
@@ -202,14 +204,15 @@ class RoundAverager(DecentralizedAverager):
         is its only use, and the name is this class's own method.
 
         ``target``/``tolerance``: the step's size bounds (the claim decision keeps the step within them);
-        ``group_size``: the members of the step plan; a group assembles the moment it holds them all."""
+        ``group_size``: the members of the step plan; a group assembles the moment it holds them all. ``live``: the
+        trainers this peer saw live; a group that cannot be a majority of them does not start its all-reduce."""
         encoded = revocations.encode() if revocations is not None else None
         self._outer_pipe.send(("_set_round_context", [step, cursor.to_dict(), encoded],
-                               dict(target=target, tolerance=tolerance, group_size=group_size)))
+                               dict(target=target, tolerance=tolerance, group_size=group_size, live=live)))
 
     async def _set_round_context(self, step: int, cursor: dict, revocations: Optional[bytes] = None, *,
                                  target: Optional[int] = None, tolerance: float = DEFAULT_STEP_TOLERANCE,
-                                 group_size: Optional[int] = None) -> None:
+                                 group_size: Optional[int] = None, live: int = 0) -> None:
         if self._round_step is None:
             from swarmrun.node.net.streams import quiet_dropped_streams
 
@@ -217,6 +220,7 @@ class RoundAverager(DecentralizedAverager):
         self._round_step = step
         self._round_cursor = DataCursor.from_dict(cursor)
         self._round_bounds = (target, tolerance)
+        self._round_live = live
         # hivemind's leader assembles its group as soon as it holds target_group_size members (matchmaking.py,
         # rpc_join_group): the plan's member count, so a round starts when its last member joins, not at the end
         # of matchmaking_time. Set per round: the run's live trainers change
@@ -278,6 +282,9 @@ class RoundAverager(DecentralizedAverager):
             if found is not None:
                 raise_matchmaking(f"group member {peer[-6:]} refused: {found}")
         modes = tuple(AveragingMode(unpack(blob)[1]) for blob in group_info.gathered)
+        if len(peer_ids) < self._round_live // 2 + 1:  # decide_commit would abandon it: known before tensors move
+            return RoundOutcome(group_info.group_id, peer_ids, metas, (), False,
+                                f"group of {len(peer_ids)} is not a majority of {self._round_live} live trainers")
         target, tolerance = self._round_bounds
         claims: ClaimDecision = decide_claims(metas, self._round_cursor, target=target, tolerance=tolerance)
         sender_weights = [w for w, mode in zip(claims.weights, modes) if mode != AveragingMode.AUX]

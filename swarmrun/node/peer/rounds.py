@@ -106,7 +106,7 @@ class RoundRunner:
             Exception: no group formed, or the averager failed (the round is abandoned).
         """
         self.averager.prepare_round(meta.step, cursor, self.gate.revocations, target=target, tolerance=tolerance,
-                                    group_size=group_size)
+                                    group_size=group_size, live=self.live())
         t0 = time.perf_counter()
         # hivemind's followers join a leader whose declaration expires before theirs. A member that finishes early
         # declares until a matchmaking time after the slowest should be done; the last one (eta 0) declares two: so
