@@ -148,9 +148,15 @@ class SwarmModel(RuleBasedStateMachine):
         for i, meta in enumerate(forged):  # strangers' claims (stale or lying) among the gathered metadata
             metas.insert(i * 2 % (len(metas) + 1), meta)
             order.insert(i * 2 % (len(order) + 1), -1)
-        claims = decide_claims(metas, state.cursor)
-        # the accepted claims are disjoint, fresh and weighed by what their blocks hold
-        accepted = [m for i, m in enumerate(metas) if i not in claims.refused]
+        target = step_target(state.cursor, self.target)
+        claims = decide_claims(metas, state.cursor, target=target, tolerance=0.05)
+        # the accepted claims are disjoint, fresh and weighed by what their blocks hold; the step keeps within its
+        # size bounds whenever some subset of the valid claims can
+        accepted = [m for i, m in enumerate(metas) if i not in claims.refused and i not in claims.excess]
+        assert not set(claims.refused) & set(claims.excess)
+        if claims.excess:
+            event("a valid claim left out to keep the step's size")
+            assert claims.samples <= max(target, int(target * 1.05))
         assert sum(len(m.blocks) for m in accepted) == len(claims.applied)
         assert all(m.data_epoch == state.cursor.data_epoch for m in accepted)  # claimed in this epoch's order
         assert not claims.applied.intersect(state.cursor.applied)
@@ -160,7 +166,7 @@ class SwarmModel(RuleBasedStateMachine):
         votes = {n: mine for n in names}
         live = max(len(self._view().trainers), len(names))
         decision = decide_commit(mine=mine, votes=votes, group=names, live_trainers=live, samples=claims.samples,
-                                 target_batch_size=step_target(state.cursor, self.target))
+                                 target_batch_size=target, tolerance=0.05)
         if fail:
             assert isinstance(decision, Abandon)
             event("a round abandoned after a reducer failure")
