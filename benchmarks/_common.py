@@ -61,9 +61,15 @@ def batches(task: Task, hparams: Mapping[str, Any], seed: int, batch_size: int, 
         epoch, pos = epoch + 1, 0
 
 
+def count_blocks(name: str, sets: Mapping[str, str], seed: int) -> int:
+    """Blocks in one data epoch of the run that ``--task name --set ...`` describes (builds the task once)."""
+    task, hparams = build_task(name, sets, seed)
+    return num_blocks(task.num_examples(), int(hparams["block_size"]))
+
+
 def emit(event: str, **fields: Any) -> None:
     sys.stdout.write(json.dumps(dict(event=event, time=time.time(), **fields)) + "\n")
     sys.stdout.flush()
 
 
-__all__ = ["batch_len", "batches", "build_model_and_optimizer", "build_task", "emit", "parse_sets"]
+__all__ = ["batch_len", "batches", "build_model_and_optimizer", "build_task", "count_blocks", "emit", "parse_sets"]

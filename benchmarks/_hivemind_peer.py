@@ -2,7 +2,8 @@
 
 Builds the same task, model, optimizer and schedule as ``node join`` and trains with ``hivemind.Optimizer`` under
 swarmrun's timeouts. JSON lines on stdout: ``listening`` (maddrs), ``ready``, one ``step`` per epoch change
-(``step`` = the new epoch, ``time`` = wall clock), ``left``. It waits until hivemind's progress tracker sees
+(``step`` = the new epoch, ``time`` = wall clock, ``samples_fed`` = the samples this peer passed to ``opt.step``
+since its previous epoch change), ``left``. It waits until hivemind's progress tracker sees
 ``--min-peers`` peers (``synced``); with ``--wait-go`` it then trains only after reading a line from stdin, so both
 peers start together.
 """
@@ -55,9 +56,12 @@ def main() -> int:
     data = batches(task, hparams, args.seed, args.batch_size, start=args.start)
     epoch = opt.local_epoch
 
+    fed = [0]  # samples this peer fed to hivemind.Optimizer since its last epoch change
+
     def train_on(batch) -> float:
         loss = task.loss(model, batch)
         loss.backward()
+        fed[0] += batch_len(batch)
         opt.step(batch_size=batch_len(batch))
         opt.zero_grad()
         return float(loss.detach())
@@ -82,8 +86,8 @@ def main() -> int:
                 break
             loss = train_on(batch)
             if opt.local_epoch != epoch:
-                emit("step", step=opt.local_epoch, jumped=opt.local_epoch - epoch - 1, loss=loss)
-                epoch = opt.local_epoch
+                emit("step", step=opt.local_epoch, jumped=opt.local_epoch - epoch - 1, loss=loss, samples_fed=fed[0])
+                epoch, fed[0] = opt.local_epoch, 0
         emit("left", step=opt.local_epoch)
     finally:
         t0 = time.monotonic()

@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _bootstrap_net import CappedNet, NetError  # noqa: E402
-from step_throughput import Peer, RunFailed, kill_all  # noqa: E402
+from _procs import Peer, RunFailed, kill_all  # noqa: E402
 
 PROVIDER_COUNTS = (1, 2, 4)
 NETWORKS = ("loopback", "capped")

@@ -19,153 +19,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import queue
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _procs import RunFailed, figure, hivemind_peers, kill_all, local_process, swarmrun_peers  # noqa: E402
+
 DEFAULT_SEED = 20261202  # swarmrun.node.DEFAULT_SEED; passed explicitly to every run anyway
 SYSTEMS = ("swarmrun", "hivemind", "local")
-
-
-class RunFailed(Exception):
-    def __init__(self, message: str, partial: Optional[dict] = None):
-        super().__init__(message)
-        self.partial = partial
-
-
-def partial_figure(peer: Optional["Peer"], target_batch_size: int) -> Optional[dict]:
-    """The figure over the steps a failed run did commit (reported apart, never in the medians)."""
-    if peer is None:
-        return None
-    try:
-        return figure([e for e in peer.events if e.get("event") == "step"], target_batch_size)
-    except RunFailed:
-        return None
-
-
-class Peer:
-    """A child process in its own session; stdout JSON lines collected by a thread, stderr to a log file."""
-
-    live: list["Peer"] = []
-
-    def __init__(self, name: str, cmd: list[str], log_dir: Path, *, stdin_pipe: bool = False):
-        self.name, self.cmd = name, cmd
-        self.stderr_path = log_dir / f"{name}.stderr"
-        self.stdout_path = log_dir / f"{name}.stdout"
-        self._stderr = open(self.stderr_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
-                                     start_new_session=True, text=True, bufsize=1)
-        self.pgid = self.proc.pid  # start_new_session: the child leads its own group
-        Peer.live.append(self)
-        self.events: list[dict] = []
-        self.queue: "queue.Queue[Optional[dict]]" = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        with open(self.stdout_path, "w") as raw:
-            for line in self.proc.stdout:
-                raw.write(line)
-                raw.flush()
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(ev, dict):
-                    ev.setdefault("_received", time.time())
-                    self.events.append(ev)
-                    self.queue.put(ev)
-        self.queue.put(None)  # EOF
-
-    def wait_event(self, names: tuple[str, ...], deadline: float) -> dict:
-        """The next event named one of ``names``; RunFailed on EOF, an error event or the deadline."""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RunFailed(f"{self.name}: timed out waiting for {'/'.join(names)}")
-            try:
-                ev = self.queue.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            if ev is None:
-                raise RunFailed(f"{self.name}: exited (rc={self.proc.poll()}) before {'/'.join(names)}")
-            if ev.get("event") in names:
-                return ev
-            if ev.get("event") == "error":
-                raise RunFailed(f"{self.name}: error event {ev}")
-
-    def send(self, text: str) -> None:
-        try:
-            self.proc.stdin.write(text)
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError, ValueError):
-            pass
-
-    def wait_exit(self, timeout: float) -> Optional[int]:
-        try:
-            return self.proc.wait(timeout=max(0.0, timeout))
-        except subprocess.TimeoutExpired:
-            return None
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        self._reader.join(timeout=2)
-        self._stderr.close()
-        if self in Peer.live:
-            Peer.live.remove(self)
-
-    def stderr_tail(self, n: int = 1500) -> str:
-        try:
-            return self.stderr_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-
-def kill_all() -> None:
-    for peer in list(Peer.live):
-        peer.kill()
-
-
-# ---- figures ------------------------------------------------------------------------------------------------
-def figure(steps: list[dict], target_batch_size: int) -> dict[str, Any]:
-    """samples/s over the window from the first committed step to the last."""
-    steps = sorted(steps, key=lambda e: float(e["time"]))
-    if len(steps) < 2:
-        raise RunFailed(f"only {len(steps)} step(s) committed: no window to measure")
-    first, last = steps[0], steps[-1]
-    committed = int(last["step"]) - int(first["step"])
-    window = float(last["time"]) - float(first["time"])
-    if committed <= 0 or window <= 0:
-        raise RunFailed(f"empty window: steps {first['step']}..{last['step']} in {window:.6f}s")
-    return dict(samples_per_s=target_batch_size * committed / window, steps_in_window=committed,
-                window_s=window, first_step=int(first["step"]), last_step=int(last["step"]))
-
-
-# ---- one run of each system ---------------------------------------------------------------------------------
-def node_command(opts) -> list[str]:
-    if opts.node:
-        return [opts.node]
-    exe = Path(sys.executable).parent / "node"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "swarmrun.node.cli"]
 
 
 def all_sets(opts) -> list[str]:
@@ -173,90 +42,28 @@ def all_sets(opts) -> list[str]:
 
 
 def run_swarmrun(opts, log_dir: Path) -> dict[str, Any]:
-    deadline = time.monotonic() + opts.run_timeout
-    run_id = f"bench-{uuid.uuid4().hex[:10]}"
-    common = ["--json", "--device", "cpu", "--batch-size", str(opts.batch_size), "--min-peers", "2",
-              "--matchmaking-time", str(opts.matchmaking_time)]
-    sets = [x for s in all_sets(opts) for x in ("--set", s)]
-    cmd_a = [*node_command(opts), "join", run_id, "--task", opts.task, *sets, "--seed", str(opts.seed),
-             "--state-dir", str(log_dir / "state-a"), *common]
-    peers = []
-    try:
-        a = Peer("swarmrun-a", cmd_a, log_dir)
-        peers.append(a)
-        listening = a.wait_event(("listening",), min(deadline, time.monotonic() + opts.startup_timeout))
-        cmd_b = [*node_command(opts), "join", run_id, "--peers", *listening["maddrs"][:1],
-                 "--state-dir", str(log_dir / "state-b"), *common]
-        b = Peer("swarmrun-b", cmd_b, log_dir)
-        peers.append(b)
-        left = a.wait_event(("left",), deadline)
-        b.wait_exit(min(10.0, deadline - time.monotonic()))
-        steps = [e for e in a.events if e.get("event") == "step"]
-        out = figure(steps, opts.target_batch_size)
-        out.update(reason=left.get("reason"), rounds_abandoned=sum(e.get("event") == "round_abandoned" for e in a.events),
-                   resyncs=left.get("resyncs"), peer_b_steps=sum(e.get("event") == "step" for e in b.events),
-                   commands=[" ".join(cmd_a), " ".join(cmd_b)])
-        if left.get("step") != opts.total_steps:
-            out["warning"] = f"peer a left at step {left.get('step')} ({left.get('reason')})"
-        return out
-    except RunFailed as e:
-        raise RunFailed(f"{e}; " + "; ".join(f"{p.name} stderr tail: {p.stderr_tail(600)!r}" for p in peers),
-                        partial_figure(peers[0] if peers else None, opts.target_batch_size)) from None
-    finally:
-        for p in peers:
-            p.kill()
+    (a, b), left = swarmrun_peers(opts, log_dir, 2, sets=all_sets(opts))
+    out = figure(a.of("step"), opts.target_batch_size)
+    out.update(reason=left.get("reason"), rounds_abandoned=len(a.of("round_abandoned")), resyncs=left.get("resyncs"),
+               peer_b_steps=len(b.of("step")), commands=[" ".join(a.cmd), " ".join(b.cmd)])
+    if left.get("step") != opts.total_steps:
+        out["warning"] = f"peer a left at step {left.get('step')} ({left.get('reason')})"
+    return out
 
 
 def run_hivemind(opts, log_dir: Path) -> dict[str, Any]:
-    deadline = time.monotonic() + opts.run_timeout
-    run_id = f"bench-hm-{uuid.uuid4().hex[:10]}"
-    base = [sys.executable, str(HERE / "_hivemind_peer.py"), "--run-id", run_id, "--task", opts.task,
-            *[x for s in all_sets(opts) for x in ("--set", s)], "--seed", str(opts.seed),
-            "--batch-size", str(opts.batch_size), "--matchmaking-time", str(opts.matchmaking_time), "--wait-go",
-            *(["--verbose"] if opts.verbose_peers else [])]
-    peers = []
-    try:
-        a = Peer("hivemind-a", [*base, "--start", "0"], log_dir, stdin_pipe=True)
-        peers.append(a)
-        startup = min(deadline, time.monotonic() + opts.startup_timeout)
-        listening = a.wait_event(("listening",), startup)
-        # the second peer starts half-way through the block order (swarmrun's peers start at crc32(peer_id) % n)
-        b = Peer("hivemind-b", [*base, "--start", str(opts.start_b), "--peers", *listening["maddrs"][:1]],
-                 log_dir, stdin_pipe=True)
-        peers.append(b)
-        a.wait_event(("synced",), startup)
-        b.wait_event(("synced",), startup)
-        for p in peers:
-            p.send("go\n")
-        left = a.wait_event(("left",), deadline)
-        steps = [e for e in a.events if e.get("event") == "step"]
-        out = figure(steps, opts.target_batch_size)
-        out.update(jumped=sum(int(e.get("jumped", 0)) for e in steps),
-                   peer_b_steps=sum(e.get("event") == "step" for e in b.events))
-        if left.get("step") != opts.total_steps:
-            out["warning"] = f"peer a left at epoch {left.get('step')}"
-        return out
-    except RunFailed as e:
-        raise RunFailed(f"{e}; " + "; ".join(f"{p.name} stderr tail: {p.stderr_tail(600)!r}" for p in peers),
-                        partial_figure(peers[0] if peers else None, opts.target_batch_size)) from None
-    finally:
-        for p in peers:
-            p.kill()
+    # the second peer starts half-way through the block order (swarmrun's peers start at crc32(peer_id) % n)
+    (a, b), left = hivemind_peers(opts, log_dir, 2, sets=all_sets(opts), starts=[0, opts.start_b])
+    steps = a.of("step")
+    out = figure(steps, opts.target_batch_size)
+    out.update(jumped=sum(int(e.get("jumped", 0)) for e in steps), peer_b_steps=len(b.of("step")))
+    if left.get("step") != opts.total_steps:
+        out["warning"] = f"peer a left at epoch {left.get('step')}"
+    return out
 
 
 def run_local(opts, log_dir: Path) -> dict[str, Any]:
-    deadline = time.monotonic() + opts.run_timeout
-    cmd = [sys.executable, str(HERE / "_local_run.py"), "--task", opts.task,
-           *[x for s in all_sets(opts) for x in ("--set", s)], "--seed", str(opts.seed),
-           "--batch-size", str(opts.batch_size)]
-    peer = Peer("local", cmd, log_dir)
-    try:
-        peer.wait_event(("left",), deadline)
-        return figure([e for e in peer.events if e.get("event") == "step"], opts.target_batch_size)
-    except RunFailed as e:
-        raise RunFailed(f"{e}; stderr tail: {peer.stderr_tail(600)!r}") from None
-    finally:
-        peer.kill()
+    return figure(local_process(opts, log_dir, sets=all_sets(opts)).of("step"), opts.target_batch_size)
 
 
 RUNNERS = {"swarmrun": run_swarmrun, "hivemind": run_hivemind, "local": run_local}
@@ -293,16 +100,13 @@ def parse_args(argv=None):
 
 
 def _default_start_b(opts) -> int:
-    from _common import build_task  # noqa: E402 (imports torch and the task; only once)
-    from swarmrun.protocol.cursor import num_blocks
+    from _common import count_blocks  # noqa: E402 (imports torch and the task; only once)
 
-    task, hparams = build_task(opts.task, dict(s.split("=", 1) for s in all_sets(opts)), opts.seed)
-    return num_blocks(task.num_examples(), int(hparams["block_size"])) // 2
+    return count_blocks(opts.task, dict(s.split("=", 1) for s in all_sets(opts)), opts.seed) // 2
 
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
-    sys.path.insert(0, str(HERE))
     if opts.start_b is None:
         opts.start_b = _default_start_b(opts)
     workdir = Path(opts.workdir) if opts.workdir else Path(tempfile.mkdtemp(prefix="swarmrun-bench-"))

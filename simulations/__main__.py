@@ -177,7 +177,7 @@ def _report(args, trace, out) -> int:
 
 def _finish(folder: Path, trace, rec, *, cleaned: bool, run_id: str, args, out, interrupted: bool, wall_s: float) -> int:
     from .checks import blocks_per_step, check_all, eval_losses, samples_per_step
-    from .report import compare_loss, figures, write_report
+    from .report import compare_loss, figures, human_lines, write_report
 
     baseline = None
     steps = samples_per_step(rec)
@@ -221,6 +221,8 @@ def _finish(folder: Path, trace, rec, *, cleaned: bool, run_id: str, args, out, 
         print(f"final step {summary['final_step']}/{summary['total_steps']}, {summary['peers_started']} peers, "
               f"faults {summary['faults']}, loss {lf.get('swarm_loss')} vs baseline {lf.get('baseline_loss')}"
               f"{' (interrupted)' if interrupted else ''}; report in {folder}")
+        for line in human_lines(summary):
+            print(line)
     return 0 if ok else 1
 
 

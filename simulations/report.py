@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .checks import Record, eval_losses, final_cursor, joiners_reach_current_step, samples_per_step, work_lost
+from .stepstats import abandoned_by_reason, round_overhead, step_size_stats
 from .trace import KINDS
 
 PLOTS = ("loss_vs_samples.png", "peers_over_time.png", "step_rate.png", "bootstrap_times.png")
@@ -62,7 +63,7 @@ def figures(rec: Record, trace_name: str, run_id: str, loss: dict, wall_s: float
         samples_applied=sum(steps.values()), target_batch_size=rec.target_batch_size,
         samples_per_step_mean=round(sum(steps.values()) / len(steps), 1) if steps else None, steps_per_minute=round(60 * (len(set(steps)) - 1) / span, 2) if span else None,
         peers_started=len(rec.lives), faults=kinds, faults_skipped=sum(1 for f in rec.faults if "note" in f),
-        rounds_abandoned=len(rec.of("round_abandoned")), resyncs=len(rec.of("resync")),
+        rounds_abandoned=len(rec.of("round_abandoned")), resyncs=len(rec.of("resync")), **step_figures(rec),
         bootstrap_seconds=dict(count=len(boots), mean=_mean(boots), max=max(boots, default=None)),
         resync_seconds=dict(count=len(resync_s), mean=_mean(resync_s), max=max(resync_s, default=None)),
         cursor=final_cursor(rec), work_lost=dict(samples=sum(r["samples_lost"] for r in lost), per_fault=lost),
@@ -70,6 +71,36 @@ def figures(rec: Record, trace_name: str, run_id: str, loss: dict, wall_s: float
         loss={k: v for k, v in loss.items() if k not in ("swarm_eval", "baseline_eval")},
         **({"latency": rec.proxies} if rec.proxies else {}),
     )
+
+
+def step_figures(rec: Record) -> dict:
+    """The step-size distribution, the round overhead and the abandoned rounds by reason class (``stepstats``)."""
+    sizes = step_size_stats(samples_per_step(rec).values(), rec.target_batch_size)
+    overhead = round_overhead((key, e.get("time", t), e) for t, key, e in rec.of("step"))
+    return dict(
+        step_size={k: v for k, v in sizes.items() if k != "p95_error"},
+        step_size_p95_error=_round(sizes["p95_error"], 4),
+        round_overhead=dict(share=_round(overhead["share"], 4), steps=overhead["steps"],
+                            reported=overhead["reported"]),
+        rounds_abandoned_by_reason=abandoned_by_reason(e.get("reason") for _, _, e in rec.of("round_abandoned")),
+    )
+
+
+def human_lines(summary: dict) -> list[str]:
+    """The step figures of ``summary`` as lines for the human report."""
+    size, overhead = summary.get("step_size") or {}, summary.get("round_overhead") or {}
+    lines = []
+    if size.get("steps"):
+        lines.append(f"samples per step (target {size.get('target')}): min {size['min']}, p50 {size['p50']:g}, "
+                     f"p95 {size['p95']:g}, max {size['max']} over {size['steps']} steps; "
+                     f"p95 |samples - target| / target {summary.get('step_size_p95_error')}")
+    share = overhead.get("share")
+    lines.append("round overhead: " + (f"{share:.3f} of a step's wall time (mean over {overhead['steps']} steps)"
+                                       if share is not None else "unknown (the peers report no round_overhead_s)"))
+    by_reason = summary.get("rounds_abandoned_by_reason") or {}
+    lines.append(f"rounds abandoned: {summary.get('rounds_abandoned', 0)}"
+                 + (" (" + ", ".join(f"{k}: {v}" for k, v in by_reason.items()) + ")" if by_reason else ""))
+    return lines
 
 
 def write_report(out: Path, summary: dict, rec: Record, loss: dict, baseline: Optional[dict]) -> list[str]:
@@ -169,6 +200,10 @@ def _save(fig, out: Path, name: str) -> str:
 
     plt.close(fig)
     return name
+
+
+def _round(x: Optional[float], digits: int) -> Optional[float]:
+    return None if x is None else round(x, digits)
 
 
 def _mean(xs: list) -> Optional[float]:
