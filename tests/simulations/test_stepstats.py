@@ -106,3 +106,13 @@ def test_the_human_report_says_when_the_round_overhead_is_unknown():
     assert summary["round_overhead"]["share"] is None
     assert any("unknown (the peers report no round_overhead_s)" in line for line in lines)
     assert lines[-1] == "rounds abandoned: 0"
+
+
+def test_reasons_of_the_planned_round_are_classified():
+    from simulations.stepstats import abandon_class
+
+    assert abandon_class("local all-reduce incomplete: round carries 56 samples, fewer than the step's 64") \
+        == "fewer than target"
+    assert abandon_class("local all-reduce incomplete: group of 1 is not a majority of 3 live trainers") \
+        == "not a majority"
+    assert abandon_class("local all-reduce incomplete: no accepted samples") == "no accepted samples"
