@@ -13,10 +13,14 @@ Every function here reads only a ``SwarmView`` and numbers: the same on every pe
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Mapping
 
+import numpy as np
+
+from swarmrun.protocol.cursor import DataCursor, RangeSet, block_order
 from swarmrun.protocol.round import ProgressReport, SwarmView
 
 
@@ -128,3 +132,37 @@ def shortfall_taker(group: list[str], *, me: str) -> bool:
     """Whether this peer computes what a round fell short by (known to every member from the gathered claims):
     the first member of the group, by peer id."""
     return bool(group) and me == min(group)
+
+
+def pick_blocks(cursor: DataCursor, count: int, *, member: int, members: int, exclude: RangeSet) -> list[int]:
+    """Up to ``count`` unapplied blocks for trainer ``member`` of ``members`` (sorted peer ids).
+
+    The epoch's pending blocks (in data order; the same list on every peer of a state) are dealt round-robin: the
+    member takes its own hand first, from the front. Once its hand is spent (near an epoch's end, or when it is
+    faster than its share), it takes from the *back* of the others' hands, the next member's first, so it meets a
+    member still taking from the front of its own hand only when no block is left. ``exclude``: blocks held by this
+    peer or leased by others."""
+    pending = _pending(cursor.seed, cursor.data_epoch, cursor.num_blocks, cursor.applied.ranges)
+    excluded = _mask(cursor.num_blocks, exclude.ranges)
+    hand = pending[member::members]
+    out = hand[~excluded[hand]][:count].tolist()
+    for k in range(1, members):
+        if len(out) >= count:
+            break
+        other = pending[(member + k) % members::members][::-1]
+        out += other[~excluded[other]][:count - len(out)].tolist()
+    return out
+
+
+def _mask(n: int, ranges) -> np.ndarray:
+    mask = np.zeros(n, dtype=bool)
+    for start, end in ranges:
+        mask[max(0, start):min(n, end)] = True
+    return mask
+
+
+@functools.lru_cache(maxsize=4)
+def _pending(seed: int, data_epoch: int, num_blocks: int, applied: tuple) -> np.ndarray:
+    """The data order's unapplied blocks (once per state: a dataset may hold millions of blocks)."""
+    order = np.asarray(block_order(seed, data_epoch, num_blocks), dtype=np.int64)
+    return order[~_mask(num_blocks, applied)[order]]

@@ -10,15 +10,12 @@ votes agree and whose group holds a majority of the run's live trainers.
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-import numpy as np
-
 from swarmrun.protocol.codec import bytes_field, float_field, int_field, message, pack, require, str_field
-from swarmrun.protocol.cursor import DataCursor, RangeSet, block_examples, block_order
+from swarmrun.protocol.cursor import DataCursor, RangeSet, block_examples
 from swarmrun.protocol.errors import Reject, Rejection
 
 ROUND_VERSION = 1
@@ -121,40 +118,6 @@ class ClaimDecision:
     samples: int  # total samples of accepted claims
     refused: tuple[int, ...]  # indices of participants whose claims overlapped or were invalid (weight 0)
     excess: tuple[int, ...] = ()  # valid claims left out to keep the step within its size bounds (weight 0)
-
-
-def pick_blocks(cursor: DataCursor, count: int, *, member: int, members: int, exclude: RangeSet) -> list[int]:
-    """Up to ``count`` unapplied blocks for trainer ``member`` of ``members`` (sorted peer ids).
-
-    The epoch's pending blocks (in data order; the same list on every peer of a state) are dealt round-robin: the
-    member takes its own hand first, from the front. Once its hand is spent (near an epoch's end, or when it is
-    faster than its share), it takes from the *back* of the others' hands, the next member's first, so it meets a
-    member still taking from the front of its own hand only when no block is left. ``exclude``: blocks held by this
-    peer or leased by others."""
-    pending = _pending(cursor.seed, cursor.data_epoch, cursor.num_blocks, cursor.applied.ranges)
-    excluded = _mask(cursor.num_blocks, exclude.ranges)
-    hand = pending[member::members]
-    out = hand[~excluded[hand]][:count].tolist()
-    for k in range(1, members):
-        if len(out) >= count:
-            break
-        other = pending[(member + k) % members::members][::-1]
-        out += other[~excluded[other]][:count - len(out)].tolist()
-    return out
-
-
-def _mask(n: int, ranges) -> np.ndarray:
-    mask = np.zeros(n, dtype=bool)
-    for start, end in ranges:
-        mask[max(0, start):min(n, end)] = True
-    return mask
-
-
-@functools.lru_cache(maxsize=4)
-def _pending(seed: int, data_epoch: int, num_blocks: int, applied: tuple) -> np.ndarray:
-    """The data order's unapplied blocks (once per state: a dataset may hold millions of blocks)."""
-    order = np.asarray(block_order(seed, data_epoch, num_blocks), dtype=np.int64)
-    return order[~_mask(num_blocks, applied)[order]]
 
 
 def step_target(cursor: DataCursor, target_batch_size: int) -> int:

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from swarmrun.protocol.cursor import DataCursor, RangeSet
+from swarmrun.protocol.plan import pick_blocks
 from swarmrun.protocol.round import (
     Abandon,
     Commit,
@@ -37,9 +38,10 @@ from swarmrun.protocol.round import (
     claim_samples,
     decide_claims,
     decide_commit,
-    pick_blocks,
     step_target,
 )
+
+
 
 SPEC_HASH = "ab" * 32
 TTL = 8.0  # a progress report expires this long after it was stored (TrainerConfig.report_ttl)

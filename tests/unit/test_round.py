@@ -42,7 +42,7 @@ def test_overlapping_claim_gets_weight_zero_and_is_not_applied():
 
 
 def test_pick_blocks_partitions_the_order_among_trainers():
-    from swarmrun.protocol.round import pick_blocks
+    from swarmrun.protocol.plan import pick_blocks
 
     cursor = DataCursor.new(seed=3, num_examples=8 * 40, block_size=8)
     a = pick_blocks(cursor, 10, member=0, members=2, exclude=RangeSet())

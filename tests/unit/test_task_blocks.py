@@ -12,7 +12,7 @@ from swarmrun.node.tasks.base import ShardedTask, ShardMap
 from swarmrun.protocol.errors import TaskError
 from swarmrun.node.tasks.synthetic import SyntheticTask
 from swarmrun.protocol.cursor import DataCursor, RangeSet
-from swarmrun.protocol.round import pick_blocks
+from swarmrun.protocol.plan import pick_blocks
 
 
 def test_map_style_blocks_are_indices_of_get_batch():

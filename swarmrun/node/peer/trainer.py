@@ -34,7 +34,7 @@ from swarmrun.node.tasks.base import Task, batch_len, batch_to
 from swarmrun.protocol.cursor import RangeSet
 from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, Stopped, SwarmrunError
 from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE
-from swarmrun.protocol.plan import my_quota, plan_step, ready_for_round, round_eta, shortfall_taker
+from swarmrun.protocol.plan import my_quota, pick_blocks, plan_step, ready_for_round, round_eta, shortfall_taker
 from swarmrun.protocol.round import (
     DEFAULT_STEP_TOLERANCE,
     Commit,
@@ -43,7 +43,6 @@ from swarmrun.protocol.round import (
     RoundMeta,
     SwarmView,
     decide_claims,
-    pick_blocks,
     step_target,
 )
 from swarmrun.protocol.spec import Spec
