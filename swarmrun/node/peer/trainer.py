@@ -102,6 +102,7 @@ class Trainer:
         self.spent = False  # no free block is left to this peer for the next step (its part ends with what it has)
         self.ready_at = 0.0  # DHT time this peer's part of the next step was computed (0: not yet)
         self.floor = 0  # a round fell short and this peer takes the rest: its part is at least this
+        self._looking: Optional[asyncio.Future] = None  # the publish-and-read after the last commit
         # set by a signal (even one that came before the trainer existed), a pause, or the library's caller
         self.stop_requested = stop_requested if stop_requested is not None else asyncio.Event()
         self.finished = False
@@ -353,7 +354,8 @@ class Trainer:
             self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=result.seconds,
                                                           vote_s=round(result.vote_seconds, 3), samples=claims.samples, blocks=claims.applied.to_list(),
                                                           round_overhead_s=round(max(0.0, get_dht_time() - ready), 3)))
-            await self._tell_and_look()
+            # in the background: the next step's first batch may plan on the older view, the next ones read this one
+            self._looking = asyncio.ensure_future(self._tell_and_look())
         else:
             me = outcome.peer_ids.index(self.peer_id) if self.peer_id in outcome.peer_ids else -1
             if me in claims.refused:
