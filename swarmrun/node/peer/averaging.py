@@ -225,6 +225,9 @@ class RoundAverager(DecentralizedAverager):
         # rpc_join_group): the plan's member count, so a round starts when its last member joins, not at the end
         # of matchmaking_time. Set per round: the run's live trainers change
         self._matchmaking.target_group_size = group_size if group_size and group_size >= 2 else None
+        # and never assembles (it disbands and looks on, as hivemind does below min_group_size) a group that is not a
+        # majority of the live trainers: decide_commit would abandon it after its members paid the all-reduce
+        self._matchmaking.min_group_size = max(2, live // 2 + 1)
         if revocations is not None and self.gate is not None:
             from swarmrun.protocol.access import Revocations
 

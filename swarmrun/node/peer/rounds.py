@@ -109,11 +109,12 @@ class RoundRunner:
                                     group_size=group_size, live=self.live())
         t0 = time.perf_counter()
         # hivemind's followers join a leader whose declaration expires before theirs. A member that finishes early
-        # declares until a matchmaking time after the slowest should be done; the last one (eta 0) declares two: so
-        # it joins the early ones' group instead of leading one they must move to. A full group assembles at once
-        # (target_group_size), so the margin costs only when a planned member does not come
+        # declares until two matchmaking times after the slowest should be done; the last one (eta 0) declares
+        # three: so it joins the early ones' group instead of leading one they must move to, and a member slower
+        # than its reported speed still makes it. A full group assembles at once (target_group_size), so the margin
+        # costs only when a planned member does not come
         mm = self.config.matchmaking_time
-        scheduled = get_dht_time() + (eta + mm if eta > 0 else 2 * mm)
+        scheduled = get_dht_time() + (eta + 2 * mm if eta > 0 else 3 * mm)
         control = self.averager.step(gather=meta.encode(), weight=float(max(meta.samples, 1)), scheduled_time=scheduled,
                                      timeout=self.config.averaging_timeout + eta, allow_retries=True, wait=False)
         outcome: RoundOutcome = await self._unless_stopped(self._outcome(control, eta))
