@@ -41,20 +41,24 @@ class StepPlan:
 PLAN_LAG = 2
 
 
-def plan_members(view: SwarmView, *, me: str, step: int) -> dict[str, ProgressReport]:
+def plan_members(view: SwarmView, *, me: str, step: int, since: float = float("inf")) -> dict[str, ProgressReport]:
     """The trainers a step is planned with: live trainers at this step or up to ``PLAN_LAG`` behind (their commits
-    are on their way: their report is a moment old), not leaving; this peer always."""
+    are on their way: their report is a moment old), not leaving; this peer always. A trainer behind whose report
+    was written after ``since`` (the DHT time this peer reached ``step``) is behind indeed (re-syncing, joining): it
+    is not waited for."""
     return {p: r for p, r in view.trainers.items()
-            if p == me or (step - PLAN_LAG <= r.step <= step and not r.left and not r.finished)}
+            if p == me or (step - PLAN_LAG <= r.step <= step and not r.left and not r.finished
+                           and (r.step == step or r.time < since))}
 
 
-def plan_step(view: SwarmView, *, me: str, step: int, my_rate: float, target: int, block_size: int) -> StepPlan:
+def plan_step(view: SwarmView, *, me: str, step: int, my_rate: float, target: int, block_size: int,
+              since: float = float("inf")) -> StepPlan:
     """Split ``target`` among the members by speed, in blocks of ``block_size``.
 
     A member that reports no speed yet (it just joined) counts at the mean speed of the others, or 1 if none is
     known. The last part is trimmed so that the parts add up to exactly ``target`` samples.
     """
-    members = plan_members(view, me=me, step=step)
+    members = plan_members(view, me=me, step=step, since=since)
     rates = {p: (my_rate if p == me else r.samples_per_second) for p, r in members.items()}
     rates.setdefault(me, my_rate)
     known = [v for v in rates.values() if v > 0]

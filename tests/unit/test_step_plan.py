@@ -70,3 +70,15 @@ def test_entering_the_round_and_its_eta():
     # b has 32 samples left at 8/s; c (one step behind, 1 sample/s) has its whole part of this plan ahead of it
     assert round_eta(plan, view, me="me", step=3) == max(4.0, plan.quotas["c"] / 1.0)
     assert round_eta(plan, SwarmView(reports={"me": report(3)}), me="me", step=3) == 0.0
+
+
+def test_a_trainer_behind_by_a_fresh_report_is_not_waited_for():
+    def at(step, time):
+        return ProgressReport(step=step, samples=0, samples_per_second=1.0, role=Role.TRAINER, state_hash="h",
+                              time=time)
+
+    # this peer reached step 5 at t=100: a report of step 4 from t=99 is stale (that peer commits too), one from
+    # t=101 says the peer is still behind (re-syncing): the step is not planned with it
+    view = SwarmView(reports={"me": at(5, 100.0), "stale": at(4, 99.0), "behind": at(4, 101.0)})
+    plan = plan_step(view, me="me", step=5, my_rate=1.0, target=64, block_size=8, since=100.0)
+    assert plan.members == ["me", "stale"]

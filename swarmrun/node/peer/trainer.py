@@ -103,6 +103,7 @@ class Trainer:
         self.ready_at = 0.0  # DHT time this peer's part of the next step was computed (0: not yet)
         self.floor = 0  # a round fell short and this peer takes the rest: its part is at least this
         self._looking: Optional[asyncio.Future] = None  # the publish-and-read after the last commit
+        self._plan_step, self._step_since = -1, 0.0  # the step plans are for, and when this peer reached it
         # set by a signal (even one that came before the trainer existed), a pause, or the library's caller
         self.stop_requested = stop_requested if stop_requested is not None else asyncio.Event()
         self.finished = False
@@ -239,8 +240,10 @@ class Trainer:
         return max(quota, self.floor)
 
     def _plan(self):
+        if self._plan_step != self.state.step:  # the DHT time this peer reached its step (commit, re-sync, start)
+            self._plan_step, self._step_since = self.state.step, get_dht_time()
         return plan_step(self.view, me=self.peer_id, step=self.state.step, my_rate=self.samples_per_second,
-                         target=self._target(), block_size=self.state.cursor.block_size)
+                         target=self._target(), block_size=self.state.cursor.block_size, since=self._step_since)
 
     async def _serve_laggards(self) -> None:
         """Once finished, keep serving the final state (and reporting `finished`) while live trainers are still
