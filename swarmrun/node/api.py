@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TextIO
 import torch
 
 from swarmrun.node.tasks.base import Task, register_task
+from swarmrun.protocol.spec import choose_budget
 
 
 SCHEDULES = ("cosine", "constant")
@@ -37,53 +38,80 @@ def make_task(name: str, *, model: Callable[[], torch.nn.Module], dataset, loss:
             the first dimension of its first tensor (a sequence-first model transposes inside ``loss``). Blocks of
             examples come in a shuffled order, so a model that carries state across batches (an RNN's hidden
             state) cannot keep it: start each batch from zeros.
-        scheduler: ``"cosine"`` (linear warm-up over ``warmup_steps``, cosine decay to 10% over ``total_steps``),
-            ``"constant"``, or ``f(optimizer) -> LRScheduler`` stepped once per committed step (the same on every
-            peer). A schedule that needs a metric (``ReduceLROnPlateau``) is not supported.
+        scheduler: ``"cosine"`` (linear warm-up over ``warmup_steps``, cosine decay to 10% over ``total_steps``,
+            the planned steps under a sample budget), ``"constant"``, or ``f(optimizer) -> LRScheduler`` stepped
+            once per committed step (the same on every peer). ``f`` may return a ``ReduceLROnPlateau``: it is then
+            stepped with ``evaluate(model)`` after every ``eval_every``-th step (``OnEvaluation``), which every
+            peer computes on the same state, so the schedule is the same everywhere.
         evaluate: ``f(model) -> float``, the run's evaluation (a validation loss, say), called on every peer with
             the same state after each ``eval_every`` steps and at the end (the `eval` event); default: the loss on
-            the first 64 training examples.
-        hparams: ``Task.hparam_defaults`` to change, e.g. ``target_batch_size``, ``total_steps``, ``clip_norm``
-            (default 1.0; 0: none). version: change it with the dataset (its fingerprint is partial).
+            the first 64 training examples. It must depend on the model's weights only (a fixed validation set).
+        hparams: ``Task.hparam_defaults`` to change, e.g. ``target_batch_size``, ``clip_norm`` (default 1.0; 0:
+            none) and the run's length: ``total_steps``, or ``total_samples`` or ``epochs`` (whole passes over
+            ``dataset``) instead. version: change it with the dataset (its fingerprint is partial).
     """
-    collate_fn = collate or torch.utils.data.default_collate
     if not (callable(scheduler) or scheduler in SCHEDULES):
         raise ValueError(f"scheduler must be one of {', '.join(SCHEDULES)} or a function of the optimizer")
+    parts = dict(model=model, dataset=dataset, loss=loss, optimizer=optimizer, scheduler=scheduler,
+                 evaluate=evaluate, collate=collate or torch.utils.data.default_collate)
+    # a sample budget in ``hparams`` replaces the base class's total_steps
+    defaults = choose_budget({**Task.hparam_defaults, **dict(hparams or {})}, set(hparams or {}))
+    return type(f"Task[{name}]", (_FunctionTask,), dict(name=name, version=version, hparam_defaults=defaults,
+                                                         parts=parts, __qualname__=f"Task[{name}]"))
 
-    class FunctionTask(Task):
-        hparam_defaults = {**Task.hparam_defaults, **dict(hparams or {})}
 
-        def data_fingerprint(self) -> str:
-            h = hashlib.sha256(f"{name}:{version}:{len(dataset)}".encode())
-            for i in {0, len(dataset) - 1}:
-                h.update(repr(collate_fn([dataset[i]])).encode())
-            return h.hexdigest()
+class _FunctionTask(Task):
+    """A task made of the functions ``make_task`` was given (``parts``)."""
 
-        def num_examples(self) -> int:
-            return len(dataset)
+    parts: dict = {}
+    schedule = None  # the scheduler built last (its cached evaluation serves the `eval` event)
 
-        def get_batch(self, indices: Sequence[int]):
-            return collate_fn([dataset[i] for i in indices])
+    def data_fingerprint(self) -> str:
+        dataset, collate = self.parts["dataset"], self.parts["collate"]
+        h = hashlib.sha256(f"{self.name}:{self.version}:{len(dataset)}".encode())
+        for i in {0, len(dataset) - 1}:
+            h.update(repr(collate([dataset[i]])).encode())
+        return h.hexdigest()
 
-        def build_model(self) -> torch.nn.Module:
-            torch.manual_seed(self.seed)
-            return model()
+    def num_examples(self) -> int:
+        return len(self.parts["dataset"])
 
-        def loss(self, m, batch):
-            return loss(m, batch)
+    def get_batch(self, indices: Sequence[int]):
+        return self.parts["collate"]([self.parts["dataset"][i] for i in indices])
 
-        def build_optimizer(self, m, hp):
-            return optimizer(m.parameters()) if optimizer else super().build_optimizer(m, hp)
+    def build_model(self) -> torch.nn.Module:
+        torch.manual_seed(self.seed)
+        return self.parts["model"]()
 
-        def build_scheduler(self, opt, hp):
-            return _schedule(scheduler, opt) or super().build_scheduler(opt, hp)
+    def loss(self, m, batch):
+        return self.parts["loss"](m, batch)
 
-        def evaluate(self, m, device):
-            return _evaluate(evaluate, m) if evaluate is not None else super().evaluate(m, device)
+    def build_optimizer(self, m, hp):
+        self.model = m  # a schedule stepped on the evaluation evaluates this model (built right after)
+        optimizer = self.parts["optimizer"]
+        return optimizer(m.parameters()) if optimizer else super().build_optimizer(m, hp)
 
-    FunctionTask.name, FunctionTask.version = name, version
-    FunctionTask.__name__ = FunctionTask.__qualname__ = f"Task[{name}]"
-    return FunctionTask
+    def build_scheduler(self, opt, hp):
+        built = _schedule(self.parts["scheduler"], opt) or super().build_scheduler(opt, hp)
+        self.schedule = _on_evaluation(built, self, hp)
+        return self.schedule
+
+    def evaluate(self, m, device):
+        cached = self.schedule.cached() if isinstance(self.schedule, OnEvaluation) else None
+        if cached is not None:
+            return cached
+        fn = self.parts["evaluate"]
+        return _evaluate(fn, m) if fn is not None else super().evaluate(m, device)
+
+
+def _on_evaluation(built, task: _FunctionTask, hparams: Mapping[str, Any]):
+    """``built``, or an ``OnEvaluation`` around it when it is a ``ReduceLROnPlateau``."""
+    if not isinstance(built, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return built
+    fn = task.parts["evaluate"]
+    if fn is None or int(hparams.get("eval_every", 0)) <= 0:
+        raise ValueError("a ReduceLROnPlateau schedule needs make_task(evaluate=...) and eval_every > 0")
+    return OnEvaluation(built, evaluate=lambda: _evaluate(fn, task.model), every=int(hparams["eval_every"]))
 
 
 def _schedule(scheduler, optimizer):
@@ -93,6 +121,44 @@ def _schedule(scheduler, optimizer):
     if scheduler == "constant":
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     return None
+
+
+class OnEvaluation:
+    """A ``ReduceLROnPlateau`` stepped with the run's evaluation after every ``every``-th committed step.
+
+    Deterministic on every peer: it is stepped inside the optimizer step (for a committed step and a replayed
+    step record alike), on the weights of that step, which every peer holds alike; its state (the plateau's best
+    value and count of bad evaluations, with the lr in the optimizer's state) is part of the run's state, so a
+    joiner continues it. Nothing local (a clock, a count of this peer's own batches) enters it.
+    """
+
+    def __init__(self, plateau: torch.optim.lr_scheduler.ReduceLROnPlateau, *, evaluate: Callable[[], float],
+                 every: int):
+        self.plateau, self.evaluate, self.every = plateau, evaluate, every
+        self.last_epoch = 0  # committed steps this schedule has seen
+        self._cache: Optional[tuple[int, float]] = None  # (step, value) of the last evaluation
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        if self.last_epoch % self.every == 0:
+            value = float(self.evaluate())
+            self._cache = (self.last_epoch, value)
+            self.plateau.step(value)
+
+    def cached(self) -> Optional[float]:
+        """The evaluation of the current step, when this schedule made it (the `eval` event reuses it)."""
+        return self._cache[1] if self._cache is not None and self._cache[0] == self.last_epoch else None
+
+    def get_last_lr(self) -> list[float]:
+        return self.plateau.get_last_lr()
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch, "plateau": self.plateau.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.last_epoch = int(state["last_epoch"])
+        self.plateau.load_state_dict(dict(state["plateau"]))
+        self._cache = None
 
 
 def _evaluate(fn, model: torch.nn.Module) -> float:

@@ -324,9 +324,24 @@ class DataCursor:
             data_epoch=self.data_epoch + 1, history=self.history + (closed,), data_fingerprint=self.data_fingerprint,
         )
 
+    def samples_applied(self) -> int:
+        """Examples of the blocks applied so far, over all data epochs: what a sample budget counts.
+
+        A closed data epoch counts ``num_examples`` (less ``block_size`` per skipped block, which a cursor that
+        only ``apply`` advanced never has); the current one counts its applied blocks (the dataset's last block
+        may be short). A block applied twice counts once: ``blocks_duplicated`` reports that exception.
+        """
+        closed = sum(max(0, self.num_examples - h["skipped"] * self.block_size) for h in self.history)
+        current = len(self.applied) * self.block_size
+        last = self.num_blocks - 1
+        if last in self.applied:  # the dataset's last block holds only what is left of the examples
+            current -= last * self.block_size + self.block_size - self.num_examples
+        return closed + current
+
     def summary(self) -> dict[str, int]:
         """Return counts for reports: totals over all epochs, pending in the current one."""
         return {
+            "samples_applied": self.samples_applied(),
             "blocks_applied": sum(h["applied"] for h in self.history) + len(self.applied),
             "blocks_pending": self.num_blocks - len(self.applied),
             "blocks_skipped": sum(h["skipped"] for h in self.history),

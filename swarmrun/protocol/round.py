@@ -364,7 +364,8 @@ def _summary(d: object) -> dict[str, int]:
     """A cursor summary received in a progress report: the keys of ``DataCursor.summary()`` (others, from a newer
     peer, are dropped)."""
     require(isinstance(d, dict) and SUMMARY_KEYS <= set(d), f"cursor summary must have keys {sorted(SUMMARY_KEYS)}")
-    return {key: int_field(d, key) for key in sorted(SUMMARY_KEYS)}
+    # samples_applied is optional: a peer of a build before sample budgets does not send it
+    return {key: int_field(d, key) for key in sorted(SUMMARY_KEYS | ({"samples_applied"} & set(d)))}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from swarmrun.protocol.codec import pack, unpack
 from swarmrun.protocol.errors import IncompatibleState, RemoteProtocolError, UsageError
 from swarmrun.protocol.manifest import MAX_MANIFEST_SIZE, Manifest
+from swarmrun.protocol.spec import BUDGET_HPARAMS
 
 __all__ = [
     "SNAPSHOT_VERSION", "SnapshotRecord", "Amendment", "PauseRecord", "PauseNote", "AMENDABLE",
@@ -29,7 +30,7 @@ SNAPSHOT_VERSION = 1
 MAX_RECORD_SIZE = MAX_MANIFEST_SIZE + (4 << 20)
 MAX_HISTORY = 1000
 #: hyperparameters a move may change (``--resume-from ... --set``); task, data and block size never change
-AMENDABLE = ("lr", "target_batch_size", "total_steps")
+AMENDABLE = ("lr", "target_batch_size", "total_steps", "total_samples", "epochs")  # a budget replaces the run's
 RECORDS_DIR = "snapshots"
 CHUNKS_DIR = "chunks"
 _RECORD_NAME = re.compile(r"(\d{12})\.snapshot")
@@ -396,7 +397,7 @@ def amend_changes(sets: Mapping[str, str], hparams: Mapping[str, Any]) -> dict[s
                              f"the task and the data are fixed for the life of a run)")
         current = hparams.get(key)
         try:
-            value: Any = int(raw) if _is_int(current) else float(raw)
+            value: Any = int(raw) if _is_int(current) or key in BUDGET_HPARAMS else float(raw)
         except ValueError:
             raise UsageError(f"--set {key}={raw!r}: expected a number") from None
         if not (value > 0 and math.isfinite(value)):

@@ -20,14 +20,18 @@ from swarmrun.protocol.codec import pack, unpack
 from swarmrun.protocol.errors import (IncompatibleState, LocalProtocolError, RemoteProtocolError, SwarmrunError,
                                       UsageError)
 
-__all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "RUN_ID", "check_run_id", "Spec", "SignedSpec", "amend", "choose_spec"]
+__all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "RUN_ID", "BUDGET_HPARAMS", "check_run_id", "Spec", "SignedSpec", "amend",
+           "choose_spec", "choose_budget", "planned_steps", "budget_reached", "steps_left"]
 
 SPEC_VERSION = 1
 ACCESS_POLICIES = ("open", "invite")
 MAX_SPEC_SIZE = 1 << 20
 
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the one run-id pattern (the CLI, the coordinator, specs)
-_REQUIRED_POSITIVE_HPARAMS = ("target_batch_size", "total_steps", "block_size")
+_REQUIRED_POSITIVE_HPARAMS = ("target_batch_size", "block_size")
+# a run's length: exactly one of them is in its hparams (a spec without total_samples or epochs encodes, and hashes,
+# as it did before they existed). epochs are whole passes over the dataset: epochs * num_examples samples.
+BUDGET_HPARAMS = ("total_steps", "total_samples", "epochs")
 # block_size fixes the unit of data accounting: changing it would orphan the cursor.
 _FIXED_HPARAMS = ("block_size",)
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
@@ -76,8 +80,8 @@ def check_run_id(run_id: str) -> str:
 class Spec:
     """The immutable description of a run (see the glossary in ``swarmrun.protocol``).
 
-    ``hparams`` must hold positive ints ``target_batch_size``, ``total_steps``
-    and ``block_size``. Construction validates every field.
+    ``hparams`` must hold positive ints ``target_batch_size`` and ``block_size``, and one budget:
+    ``total_steps``, ``total_samples`` or ``epochs`` (see ``budget_reached``). Construction validates every field.
 
     Raises:
         UsageError: a field is missing, of the wrong type or out of range.
@@ -111,6 +115,12 @@ class Spec:
             value = self.hparams.get(name)
             if not _is_int(value) or value <= 0:
                 raise UsageError(f"hparams[{name!r}] must be a positive int, got {value!r}")
+        budgets = [name for name in BUDGET_HPARAMS if name in self.hparams]
+        if len(budgets) != 1:
+            raise UsageError(f"hparams must hold exactly one of {', '.join(BUDGET_HPARAMS)} (the run's length), "
+                             f"got {', '.join(budgets) or 'none'}")
+        if not _is_int(self.hparams[budgets[0]]) or self.hparams[budgets[0]] <= 0:
+            raise UsageError(f"hparams[{budgets[0]!r}] must be a positive int, got {self.hparams[budgets[0]]!r}")
         if not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _UINT64_MAX:
             raise UsageError(f"seed must be an int in the 64-bit range, got {self.seed!r}")
         if not _is_int(self.num_examples) or not 0 < self.num_examples <= _UINT64_MAX:
@@ -139,8 +149,31 @@ class Spec:
 
     @property
     def total_steps(self) -> int:
-        """Steps after which the run is complete."""
-        return int(self.hparams["total_steps"])
+        """Steps after which the run is complete; under a sample budget, the planned number of steps
+        (``planned_steps``: the default schedule's horizon, the progress shown and the ETA), while the run
+        itself ends on samples (``finished``)."""
+        total = self.total_samples
+        if total is None:
+            return int(self.hparams["total_steps"])
+        return planned_steps(total, num_examples=self.num_examples, target_batch_size=self.target_batch_size)
+
+    @property
+    def total_samples(self) -> int | None:
+        """The sample budget: ``total_samples``, or ``epochs`` x ``num_examples``; None when ``total_steps``
+        bounds the run."""
+        if "total_samples" in self.hparams:
+            return int(self.hparams["total_samples"])
+        if "epochs" in self.hparams:
+            return int(self.hparams["epochs"]) * self.num_examples
+        return None
+
+    def finished(self, step: int, cursor: Any) -> bool:
+        """Whether the run is complete at ``step`` with this data cursor (``budget_reached``)."""
+        return budget_reached(self, step=step, samples=cursor.samples_applied())
+
+    def steps_left(self, step: int, cursor: Any) -> int:
+        """Steps the run still needs (an estimate under a sample budget: see ``steps_left``)."""
+        return steps_left(self, step=step, samples=cursor.samples_applied())
 
     @property
     def block_size(self) -> int:
@@ -266,7 +299,8 @@ def amend(spec: Spec, **changes: Any) -> Spec:
 
     Each keyword is an hparam name (``amend(spec, lr=0.1, total_steps=2000)``),
     or ``hparams=`` replaces the whole mapping (individual keywords then apply on
-    top). ``block_size`` is fixed for the life of a run.
+    top). A budget keyword (``total_steps``, ``total_samples``, ``epochs``) replaces
+    the run's budget, whichever it was. ``block_size`` is fixed for the life of a run.
 
     Raises:
         UsageError: a keyword names another spec field, ``block_size`` would
@@ -277,6 +311,8 @@ def amend(spec: Spec, **changes: Any) -> Spec:
     if forbidden:
         raise UsageError(f"amend changes hyperparameters only; cannot change {', '.join(forbidden)}")
     hparams = dict(changes.pop("hparams", spec.hparams))
+    if any(name in changes for name in BUDGET_HPARAMS):
+        hparams = {k: v for k, v in hparams.items() if k not in BUDGET_HPARAMS}
     hparams.update(changes)
     for name in _FIXED_HPARAMS:
         if hparams.get(name) != spec.hparams[name]:
@@ -325,3 +361,63 @@ def choose_spec(found: Mapping[str, bytes], *, run_id: str, anchors: Collection[
         raise IncompatibleState(f"{who} publish {len(ranked)} different specs for run {run_id!r}; give --peers of "
                                 f"the run's own peers")
     return pool[ranked[0][0]], tuple(skipped)
+
+
+# ---- the run's length --------------------------------------------------------------------------------------
+def choose_budget(defaults: Mapping[str, Any], given: Collection[str]) -> dict[str, Any]:
+    """``defaults`` (a task's hyperparameters) with one budget: the one named in ``given`` (the keys a user set),
+    else a sample budget the defaults hold (``total_samples`` or ``epochs``: a task's own, over the base
+    ``total_steps``), else ``total_steps``. A budget named in ``given`` needs no default (its value is set later).
+
+    Raises:
+        UsageError: ``given`` names two budgets, or the defaults hold two sample budgets and ``given`` none.
+    """
+    named = [name for name in BUDGET_HPARAMS if name in given]
+    if len(named) > 1:
+        raise UsageError(f"give one run length, not {' and '.join(named)}")
+    if not named:
+        named = [name for name in BUDGET_HPARAMS[1:] if name in defaults] or ["total_steps"]
+        if len(named) > 1:
+            raise UsageError(f"the task's hyperparameters hold two run lengths ({' and '.join(named)}): set one")
+    out = {k: v for k, v in defaults.items() if k not in BUDGET_HPARAMS}
+    out[named[0]] = defaults.get(named[0], 0)
+    return out
+
+
+def planned_steps(total_samples: int, *, num_examples: int, target_batch_size: int) -> int:
+    """Steps that ``total_samples`` take when every step holds ``target_batch_size`` samples and a data epoch's
+    last step holds what is left of it (``round.step_target``): exact for whole epochs, give or take a step
+    otherwise. At least 1."""
+    full, rest = divmod(max(0, total_samples), num_examples)
+    per_epoch = -(-num_examples // target_batch_size)
+    return max(1, full * per_epoch + -(-rest // target_batch_size))
+
+
+def budget_reached(spec: Spec, *, step: int, samples: int) -> bool:
+    """Whether a run is complete at ``step`` with ``samples`` applied (``DataCursor.samples_applied()``, which
+    every peer holds alike: it is part of the replicated state).
+
+    Under ``total_steps``: ``step >= total_steps``. Under a sample budget: ``samples >= total_samples``, so the
+    step that reaches the budget is the last one, and it is not trimmed: it carries its whole batch, and the run
+    may apply up to one step's samples more than ``total_samples``. ``epochs`` end exactly on the budget, since
+    a data epoch's last step holds only what is left of the epoch.
+    """
+    total = spec.total_samples
+    return step >= spec.total_steps if total is None else samples >= total
+
+
+def steps_left(spec: Spec, *, step: int, samples: int) -> int:
+    """Steps until ``budget_reached``: exact under ``total_steps``; under a sample budget, the planned steps of
+    the samples left (``planned_steps`` from the current position in the data epoch), at least 1 until the
+    budget is reached."""
+    total = spec.total_samples
+    if total is None:
+        return max(0, spec.total_steps - step)
+    if samples >= total:
+        return 0
+    n, target, left = spec.num_examples, spec.target_batch_size, total - samples
+    head = min(left, n - samples % n)  # what the budget takes of the current data epoch
+    steps = -(-head // target)
+    if left > head:
+        steps += planned_steps(left - head, num_examples=n, target_batch_size=target)
+    return steps

@@ -79,7 +79,7 @@ def test_apply_closes_epoch_and_records_duplicates():
     assert cursor.data_epoch == 1 and cursor.applied.is_empty and cursor.duplicated.is_empty
     assert cursor.history == ({"epoch": 0, "applied": 3, "skipped": 0, "duplicated": 1},)
     assert cursor.summary() == {"blocks_applied": 3, "blocks_pending": 3, "blocks_skipped": 0,
-                                "blocks_duplicated": 1, "data_epoch": 1}
+                                "blocks_duplicated": 1, "data_epoch": 1, "samples_applied": 25}
     with pytest.raises(LocalProtocolError):
         cursor.apply(RangeSet.from_items([3]))
 

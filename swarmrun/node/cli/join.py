@@ -18,6 +18,11 @@ def add_parsers(sub) -> None:
     j.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="a task argument or hyperparameter of a new run (repeatable)")
     j.add_argument("--seed", type=int, default=None, help="the new run's seed (default: a fixed one)")
+    j.add_argument("--total-samples", type=int, default=None, metavar="N",
+                   help="a new run's length in samples instead of steps (= --set total_samples=N): it ends with the "
+                        "step whose samples reach N (that step is not trimmed: up to one step's samples more)")
+    j.add_argument("--epochs", type=int, default=None, metavar="N",
+                   help="a new run's length in whole passes over its dataset (= --set epochs=N; ends exactly there)")
     swarm_args(j)
     j.add_argument("--batch-size", type=int, default=16, help="samples per local gradient computation (default 16)")
     j.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
@@ -26,7 +31,8 @@ def add_parsers(sub) -> None:
     j.add_argument("--matchmaking-time", type=float, default=2.0, help="seconds to gather a group for a round")
     j.add_argument("--resume-from", default=None, metavar="STORE[@STEP]",
                    help="restart the run from a snapshot (the newest complete one, or STEP); --set may change "
-                        "lr, target_batch_size, total_steps (owner's --state-dir only)")
+                        "lr, target_batch_size and the length: total_steps, total_samples or epochs (owner's "
+                        "--state-dir only)")
     j.add_argument("--snapshot-to", default=None, metavar="STORE",
                    help="write snapshots of the run to this directory or fsspec URL (one peer is elected among "
                         "those with a store)")
@@ -65,6 +71,12 @@ def run_join(args, events) -> int:
         raise UsageError("--min-peers must be >= 1")
     if args.matchmaking_time <= 0:
         raise UsageError("--matchmaking-time must be positive")
+    sets = parse_sets(args.sets)
+    for key, value in (("total_samples", args.total_samples), ("epochs", args.epochs)):
+        if value is not None:
+            if value <= 0 or sets.get(key, str(value)) != str(value):
+                raise UsageError(f"--{key.replace('_', '-')} must be positive and agree with --set {key}")
+            sets[key] = str(value)
     snapshot = None
     if args.snapshot_to is not None:
         from swarmrun.node.peer.snapshots import SnapshotOptions
@@ -72,7 +84,7 @@ def run_join(args, events) -> int:
         snapshot = SnapshotOptions(store=args.snapshot_to, every=args.snapshot_every, keep=args.snapshot_keep)
     opts = JoinOptions(
         resume_from=args.resume_from, snapshot=snapshot,
-        run_id=args.run_id, task=args.task, sets=parse_sets(args.sets), access=args.access, invite=args.invite,
+        run_id=args.run_id, task=args.task, sets=sets, access=args.access, invite=args.invite,
         seed=args.seed if args.seed is not None else DEFAULT_SEED, swarm=swarm_config(args),
         trainer=TrainerConfig(batch_size=args.batch_size, device=args.device, max_steps=args.max_steps,
                               matchmaking_time=args.matchmaking_time, min_peers=args.min_peers),

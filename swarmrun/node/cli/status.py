@@ -52,6 +52,7 @@ async def gather_status(run_id: str, initial_peers, *, timeout: float = 8.0) -> 
                           step_records=len(r.log), age_s=round(max(0.0, now - r.time), 1))
                      for p, r in sorted(records.items(), key=lambda kv: (-kv[1].step, kv[0]))]
         return dict(providers=providers, run_id=run_id, task=spec.task, spec_hash=spec.spec_hash(), total_steps=spec.total_steps,
+                    total_samples=spec.total_samples, samples_applied=accounting.get("samples_applied"),
                     target_batch_size=spec.target_batch_size, step=view.newest_step,
                     samples_per_second=round(sum(p["samples_per_second"] for p in peers if p["role"] == "trainer"), 2),
                     finished=view.finished(), **{k: accounting.get(k) for k in sorted(SUMMARY_KEYS)}, peers=peers)
@@ -72,7 +73,9 @@ def run_status(args, events) -> int:
         return 0
     from rich.table import Table
 
-    table = Table(title=f"run {status['run_id']} ({status['task']}): step {status['step']}/{status['total_steps']}, "
+    budget = "" if status.get("total_samples") is None else \
+        f" (planned; samples {status['samples_applied']}/{status['total_samples']})"
+    table = Table(title=f"run {status['run_id']} ({status['task']}): step {status['step']}/{status['total_steps']}{budget}, "
                         f"{status['samples_per_second']} samples/s{', finished' if status['finished'] else ''}")
     for col in ("peer", "role", "step", "samples", "samples/s", "state_hash", "age"):
         table.add_column(col)

@@ -8,7 +8,7 @@ from typing import Mapping
 import torch
 from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.errors import IncompatibleState, UsageError
-from swarmrun.protocol.spec import Spec
+from swarmrun.protocol.spec import BUDGET_HPARAMS, Spec, choose_budget
 from swarmrun.node.state.run import RunState
 from swarmrun.node.tasks.base import Task, load_task_class
 from swarmrun.protocol.errors import TaskError
@@ -41,23 +41,26 @@ def make_spec(*, run_id: str, task_cls: type[Task], sets: Mapping[str, str], see
               access: str = "open") -> tuple[Spec, Task]:
     """A new run's spec from ``--set key=value`` pairs (task arguments and hyperparameters).
 
+    The run's length is one of ``total_steps``, ``total_samples`` and ``epochs`` (``choose_budget``): one that is
+    set replaces the task's default, so only a run that sets a sample budget carries one in its spec.
+
     Raises:
         UsageError: a key that is neither, a value of the wrong type.
     """
     from swarmrun.node.tasks.base import coerce_args
 
     task_sets = {k: v for k, v in sets.items() if k in task_cls.arg_defaults}
-    hp_sets = {k: v for k, v in sets.items() if k in task_cls.hparam_defaults}
+    hp_sets = {k: v for k, v in sets.items() if k in task_cls.hparam_defaults or k in BUDGET_HPARAMS}
     unknown = sorted(set(sets) - set(task_sets) - set(hp_sets))
     if unknown:
         known = ", ".join(sorted({*task_cls.arg_defaults, *task_cls.hparam_defaults}))
         raise UsageError(f"unknown --set key(s) {', '.join(unknown)} for task {task_cls.name!r} (known: {known})")
     try:
-        hparams = coerce_args(task_cls.hparam_defaults, hp_sets, what="hyperparameter")
+        hparams = coerce_args(choose_budget(task_cls.hparam_defaults, hp_sets), hp_sets, what="hyperparameter")
         task = task_cls(task_sets, seed)
     except TaskError as e:
         raise UsageError(str(e)) from None
-    for key in ("target_batch_size", "total_steps", "block_size"):
+    for key in ("target_batch_size", "block_size", *(k for k in BUDGET_HPARAMS if k in hparams)):
         if int(hparams[key]) <= 0:
             raise UsageError(f"{key} must be positive, got {hparams[key]}")
     spec = Spec(run_id=run_id, task=task_cls.name, task_version=task_cls.version, task_args=dict(task.args),
@@ -95,7 +98,8 @@ def initial_state(spec: Spec, task: Task, device: str) -> RunState:
     torch.manual_seed(spec.seed)  # only for tasks that use the global RNG (dropout); models derive from the seed
     model = task.build_model().to(device)
     optimizer = task.build_optimizer(model, spec.hparams)
-    scheduler = task.build_scheduler(optimizer, spec.hparams)
+    # under a sample budget the schedule's horizon is the planned number of steps (Spec.total_steps)
+    scheduler = task.build_scheduler(optimizer, {**spec.hparams, "total_steps": spec.total_steps})
     cursor = DataCursor.new(seed=spec.seed, num_examples=spec.num_examples, block_size=spec.block_size,
                             data_fingerprint=spec.data_fingerprint)
     return RunState(model=model, optimizer=optimizer, scheduler=scheduler, step=0, cursor=cursor,

@@ -195,8 +195,8 @@ class Trainer:
             if self.stop_requested.is_set():
                 return "stopped"
             raise SwarmrunError("hivemind's DHT or averager process died; leaving")
-        if self.state.step >= self.spec.total_steps or self.view.finished():
-            if self.state.step < self.spec.total_steps:
+        if self.spec.finished(self.state.step, self.state.cursor) or self.view.finished():
+            if not self.spec.finished(self.state.step, self.state.cursor):
                 # the others finished while this peer was behind: leave with the run's final state, if a
                 # provider still serves it
                 try:
@@ -418,7 +418,7 @@ class Trainer:
                                         state_hash_before=before, state_hash_after=self.state_hash,
                                         chunk_size=self.served.chunk_size)
         every = int(self.spec.hparams.get("eval_every", 0))
-        if every and self.state.step % every == 0 or self.state.step == self.spec.total_steps:
+        if every and self.state.step % every == 0 or self.spec.finished(self.state.step, self.state.cursor):
             loss = self.task.evaluate(self.state.model, self.device)
             self.events.emit("eval", step=self.state.step, loss=loss)
 
@@ -455,7 +455,7 @@ class Trainer:
     def _step_fields(self, **extra) -> dict:
         trainers = self.view.trainers
         sps = sum(r.samples_per_second for p, r in trainers.items() if p != self.peer_id) + self.samples_per_second
-        steps_left = max(0, self.spec.total_steps - self.state.step)
+        steps_left = self.spec.steps_left(self.state.step, self.state.cursor)
         if self.step_seconds is not None:
             eta = steps_left * self.step_seconds
         else:  # before two commits: compute alone (an underestimate: rounds are not counted yet)
@@ -473,7 +473,7 @@ class Trainer:
         leaving = self.finished or left
         return ProgressReport(step=self.state.step, samples=self.samples, samples_per_second=self.samples_per_second,
                               role=self.config.role, state_hash=self.state_hash, time=get_dht_time(),
-                              finished=self.finished or self.state.step >= self.spec.total_steps,
+                              finished=self.finished or self.spec.finished(self.state.step, self.state.cursor),
                               certificate=self.gate.credentials or b"",
                               claimed=RangeSet() if leaving else self.claimed, data_epoch=self.state.cursor.data_epoch,
                               cursor=self.state.cursor.summary(), snapshots=self.snapshots,
