@@ -234,7 +234,9 @@ class _SlowWriter:
 
 class SlowServer(StateServer):
     async def _handle(self, info, reader, writer):
-        await super()._handle(info, reader, _SlowWriter(writer, 0.02))
+        # 0.2 s per write: slower than the fast provider by far even on a loaded 2-core machine (at 0.02 s the order
+        # of the two once flipped under a load of 4.5)
+        await super()._handle(info, reader, _SlowWriter(writer, 0.2))
 
 
 @pytest.mark.parametrize("loop", LOOPS)
