@@ -99,7 +99,9 @@ class Trainer:
         self.samples = 0  # samples accumulated toward the next step
         self.claimed = RangeSet()  # blocks whose gradients are in the accumulator
         self.quota: Optional[int] = None  # samples this peer brings to the next step (its part of the plan, published)
-        self.spent = False  # no free block is left to this peer for the next step (its part ends with what it has)
+        # when this peer last found no free block for the next step (monotonic; 0: it did not): for a while its part
+        # ends with what it has; then it looks again (a dead peer's leases expire, the view changes)
+        self.spent_at = 0.0
         self.ready_at = 0.0  # DHT time this peer's part of the next step was computed (0: not yet)
         self.floor = 0  # a round fell short and this peer takes the rest: its part is at least this
         self._looking: Optional[asyncio.Future] = None  # the publish-and-read after the last commit
@@ -234,7 +236,7 @@ class Trainer:
 
     def _my_quota(self) -> int:
         """This peer's part of the next step (``protocol.plan``); once no free block is left to it, what it has."""
-        if self.spent:
+        if self.spent_at and time.monotonic() - self.spent_at < 2 * self.config.report_interval:
             return self.samples
         quota = my_quota(self._plan(), self.view, me=self.peer_id, step=self.state.step, samples=self.samples)
         return max(quota, self.floor)
@@ -278,7 +280,7 @@ class Trainer:
     async def _compute_once(self, quota: int) -> None:
         blocks = self._take_blocks(quota)
         if not blocks:  # every free block of the epoch is applied, held by us or leased: our part is what we hold
-            self.spent = True
+            self.spent_at = time.monotonic()
             await asyncio.sleep(self.config.report_interval)
             return
         t0 = time.perf_counter()
@@ -308,7 +310,7 @@ class Trainer:
             p.grad = None
         self.samples = 0
         self.claimed = RangeSet()
-        self.spent = False
+        self.spent_at = 0.0
         self.ready_at = 0.0
         self.quota = None
         self.floor = 0
@@ -380,7 +382,7 @@ class Trainer:
             logger.debug(f"could not refresh the view after a commit: {e!r}")
 
     def _abandon(self, reason: str) -> None:
-        self.spent, self.ready_at = False, 0.0  # the part is planned again (the swarm may have changed)
+        self.spent_at, self.ready_at = 0.0, 0.0  # the part is planned again (the swarm may have changed)
         self.stats["rounds_abandoned"] += 1
         self.failed_rounds += 1
         logger.warning(f"round abandoned: {reason}")
