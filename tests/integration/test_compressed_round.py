@@ -93,6 +93,7 @@ def test_every_participant_holds_the_same_bits(three_averagers):
     metas = [meta(5, [0]), meta(5, [1, 2, 3, 4]), meta(5, [5, 6])]  # weights 4, 16, 8
     outcomes = run_round(averagers, metas, cursor)
     assert all(o.complete for o in outcomes), [o.reason for o in outcomes]
+    assert all(o.sent_bytes > 0 for o in outcomes)  # counted on the encoded messages
     after = [held(avg) for avg in averagers]
     for i in range(len(SHAPES)):
         expected = (4 * before[0][i].double() + 16 * before[1][i].double() + 8 * before[2][i].double()) / 28

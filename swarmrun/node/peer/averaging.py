@@ -51,6 +51,7 @@ class RoundOutcome:
     weights: tuple[float, ...]
     complete: bool  # every part came back averaged from every reducer, no sender was banned
     reason: str = ""
+    sent_bytes: int = 0  # tensor messages this peer sent in the all-reduce (its parts, its averaged parts), encoded
 
 
 def decode_gathered(blob: bytes) -> RoundMeta:
@@ -75,6 +76,8 @@ class ExactAllReduceRunner(AllReduceRunner):
       once through the run's codec), and each averaged part is encoded once, with the run's codec (not the one a
       sender's message names), into one message that every receiver gets and the reducer itself decodes: with any
       codec, every participant holds the bits of the same bytes.
+    - ``_generate_input_for_peer``: counts the encoded bytes of this peer's parts as they go (``sent_bytes``, with the
+      averaged parts it sends back as a reducer): what the codec saves, measured on the messages themselves.
     """
 
     def __init__(self, *, sender_weights: Sequence[float], tensors: Sequence[torch.Tensor],
@@ -95,6 +98,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.part_infos = tuple(info for _, info in self.tensor_part_container._input_parts_by_peer[own_index])
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(own_index)
         self._averaged_messages: dict[int, asyncio.Future] = {}  # part index -> its one encoded averaged part
+        self.sent_bytes = 0
         self.weight = self.sender_weights[self.sender_peer_ids.index(self.peer_id)] if self.peer_id in self.sender_peer_ids else 0.0
 
     def _plausible(self, sender_index: int, part_index: int, wire: tuple, part: Optional[torch.Tensor]) -> bool:
@@ -143,6 +147,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.tensor_part_container.register_processed_part(peer_index, part_index, as_received)
             faults.fire("allreduce", self.round_step)
 
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            self.sent_bytes += message.ByteSize()
+            yield message
+
     @staticmethod
     def _decode(message: averaging_pb2.AveragingData) -> tuple[tuple, Optional[torch.Tensor]]:
         part = message.tensor_part
@@ -169,7 +178,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 except BannedException:
                     break
                 message = await self._averaged_message(part_index - 1, averaged_part)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=message)
+                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=message)
+                self.sent_bytes += reply.ByteSize()
+                yield reply
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -331,16 +342,18 @@ class RoundAverager(DecentralizedAverager):
                                                          declared_norms=declared, **kwargs)
         except Exception as e:  # a failed peer, a timeout, a protocol error: the round is incomplete
             logger.debug(f"all-reduce failed: {e!r}", exc_info=True)
+            sent = self._last_runner.sent_bytes if getattr(self, "_last_runner", None) is not None else 0
             self._note_bad_senders()
-            return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, f"all-reduce failed: {e!r}")
+            return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, f"all-reduce failed: {e!r}",
+                                sent)
         failed = runner.tensor_part_container.failed_size
         self._note_bad_senders()
         banned = sorted(p.to_base58()[-6:] for p in runner.banned_senders)
         if failed or banned:
             reason = f"{failed} values not averaged by their reducer; banned senders {banned}"
-            return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, reason)
+            return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, reason, runner.sent_bytes)
         self._recent_norms.extend(m.grad_norm for m in metas if m.grad_norm > 0)
-        return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, True)
+        return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, True, "", runner.sent_bytes)
 
     def _note_bad_senders(self) -> None:
         """Senders the last runner caught with bad gradients are refused in the next rounds (this one is
