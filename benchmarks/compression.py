@@ -67,16 +67,16 @@ def parse_args(argv=None):
 
 def gradient_bytes(opts) -> int:
     """fp32 bytes of the model's gradient (what ``none`` would send in full)."""
-    from swarmrun.node.tasks.synthetic import SyntheticTask
+    from swarmrun.node import load_task_class
 
-    task = SyntheticTask({"dim": opts.dim, "hidden": opts.hidden, "num_examples": 64, "eval_examples": 8}, 1)
+    task = load_task_class("synthetic")({"dim": opts.dim, "hidden": opts.hidden, "num_examples": 64, "eval_examples": 8}, 1)
     return 4 * sum(p.numel() for p in task.build_model().parameters())
 
 
 def block_size() -> int:
-    from swarmrun.node.tasks.synthetic import SyntheticTask
+    from swarmrun.node import load_task_class
 
-    return int(SyntheticTask.hparam_defaults["block_size"])
+    return int(load_task_class("synthetic").hparam_defaults["block_size"])
 
 
 def run_one(opts, codec: str, seed: int, log_dir: Path) -> dict[str, Any]:
