@@ -20,11 +20,16 @@ from swarmrun.protocol.codec import pack, unpack
 from swarmrun.protocol.errors import (IncompatibleState, LocalProtocolError, RemoteProtocolError, SwarmrunError,
                                       UsageError)
 
-__all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "RUN_ID", "BUDGET_HPARAMS", "check_run_id", "Spec", "SignedSpec", "amend",
-           "choose_spec", "choose_budget", "planned_steps", "budget_reached", "steps_left"]
+__all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "COMPRESSIONS", "RUN_ID", "BUDGET_HPARAMS", "check_run_id", "Spec",
+           "SignedSpec", "amend", "choose_spec", "choose_budget", "planned_steps", "budget_reached", "steps_left"]
 
 SPEC_VERSION = 1
 ACCESS_POLICIES = ("open", "invite")
+#: the codecs of a run's gradient all-reduce (hparam ``compression``; ``node.peer.codecs`` builds them): each part is
+#: encoded once by its sender and once by its reducer, and every participant uses the decoded bits
+COMPRESSIONS = ("none", "fp16", "bf16", "8bit", "quantile8bit")
+_UNAVAILABLE_COMPRESSIONS = {"blockwise8": "hivemind's blockwise 8-bit codec needs bitsandbytes, which swarmrun does "
+                                           "not depend on; use 8bit"}
 MAX_SPEC_SIZE = 1 << 20
 
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the one run-id pattern (the CLI, the coordinator, specs)
@@ -63,6 +68,13 @@ def _check_scalars(name: str, mapping: Any) -> dict[str, Scalar]:
             raise UsageError(f"spec field {name}[{key!r}] is out of the 64-bit range")
         out[key] = value
     return out
+
+
+def _check_compression(value: Any) -> None:
+    if value in _UNAVAILABLE_COMPRESSIONS:
+        raise UsageError(f"hparams['compression'] {value!r} is not available: {_UNAVAILABLE_COMPRESSIONS[value]}")
+    if value not in COMPRESSIONS:
+        raise UsageError(f"hparams['compression'] must be one of {', '.join(COMPRESSIONS)}, got {value!r}")
 
 
 def check_run_id(run_id: str) -> str:
@@ -121,6 +133,10 @@ class Spec:
                              f"got {', '.join(budgets) or 'none'}")
         if not _is_int(self.hparams[budgets[0]]) or self.hparams[budgets[0]] <= 0:
             raise UsageError(f"hparams[{budgets[0]!r}] must be a positive int, got {self.hparams[budgets[0]]!r}")
+        _check_compression(self.hparams.get("compression", "none"))
+        tolerance = self.hparams.get("step_tolerance", 0.05)
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
+            raise UsageError(f"hparams['step_tolerance'] must be a number in [0, 1), got {tolerance!r}")
         if not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _UINT64_MAX:
             raise UsageError(f"seed must be an int in the 64-bit range, got {self.seed!r}")
         if not _is_int(self.num_examples) or not 0 < self.num_examples <= _UINT64_MAX:
@@ -179,6 +195,11 @@ class Spec:
     def block_size(self) -> int:
         """Examples per block of the data order."""
         return int(self.hparams["block_size"])
+
+    @property
+    def compression(self) -> str:
+        """The codec of the gradient all-reduce, one of ``COMPRESSIONS`` (``none`` for a spec without one)."""
+        return str(self.hparams.get("compression", "none"))
 
     def to_dict(self) -> dict[str, Any]:
         """Return the plain, msgpack-able form (keys sorted on encode)."""

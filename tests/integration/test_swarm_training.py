@@ -58,3 +58,26 @@ def test_peer_killed_during_allreduce_never_half_applies(tmp_path):
         assert {e["step"] for e in lefts} == {8}
         assert lefts[0]["state_hash"] == lefts[1]["state_hash"]
         assert lefts[0]["cursor"]["blocks_duplicated"] == 0
+
+
+def test_three_peers_with_8bit_compression_agree_on_every_step(tmp_path):
+    """``--set compression=8bit``: fc1 (16 x 256 = 4096 values) goes in 8 bits, the rest in fp16; every committed
+    step leaves one state_hash on every peer, and the loss still falls."""
+    with Swarm(tmp_path, "eightbit") as swarm:
+        common = ("--matchmaking-time", "1.0")
+        swarm.create("p0", "--task", "synthetic", "--set", "total_steps=12", "--set", "eval_every=1",
+                     "--set", "hidden=256", "--set", "compression=8bit", "--min-peers", "3", *common)
+        swarm.join("p1", *common, "--batch-size", "8")
+        swarm.join("p2", *common, "--batch-size", "32")
+        for name in ("p0", "p1", "p2"):
+            assert swarm.wait_exit(name, timeout=240) == 0, swarm.log(name)[-3000:]
+        lefts = {n: swarm.events(n, "left")[0] for n in ("p0", "p1", "p2")}
+        assert {e["step"] for e in lefts.values()} == {12}
+        assert len({e["state_hash"] for e in lefts.values()}) == 1
+        by_step = hashes_by_step(swarm, ("p0", "p1", "p2"))
+        assert sum(len(by_peer) > 1 for by_peer in by_step.values()) >= 10, by_step  # steps held by several peers
+        for step, by_peer in by_step.items():
+            assert len(set(by_peer.values())) == 1, (step, by_peer)
+        evals = swarm.events("p0", "eval")
+        assert evals[-1]["step"] == 12 and evals[-1]["loss"] < 0.5 * evals[0]["loss"], evals
+        assert lefts["p0"]["cursor"]["blocks_duplicated"] == 0 and lefts["p0"]["cursor"]["blocks_skipped"] == 0

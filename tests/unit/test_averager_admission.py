@@ -34,3 +34,31 @@ def test_admission_spec_step_suspects_and_norm_range():
     avg._recent_norms.extend([1.0, 0.9, 1.1] * 10)
     assert "far above" in avg._admission("QmC", _meta(norm=100.0, step=10))
     assert avg._admission("QmC", _meta(norm=5.0, step=10)) is None
+
+
+def test_a_reducer_takes_only_parts_in_the_runs_codec_and_shape():
+    """A sender's part must be in the spec's codec (its wire compression type and dtype) and of its part's shape;
+    the declared norm bounds the decoded part with the codec's rounding as slack."""
+    import torch
+    from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+    from hivemind.proto import runtime_pb2
+
+    from swarmrun.node.peer import codecs
+    from swarmrun.node.peer.averaging import ExactAllReduceRunner
+
+    codecs.install_codecs()
+    part = torch.randn(5000)
+    runner = ExactAllReduceRunner.__new__(ExactAllReduceRunner)  # the check only: no P2P, no group
+    runner.compression, runner.part_infos = codecs.make_codec("8bit"), (CompressionInfo.from_tensor(part),)
+    runner.parts_for_local_averaging, runner.declared_norms = (part,), (float(part.norm()),)
+    message = runner.compression.compress(part, runner.part_infos[0])
+    decoded = deserialize_torch_tensor(message)
+    assert runner._plausible(0, 0, (message.compression, message.dtype), decoded)
+    assert not runner._plausible(0, 0, (runtime_pb2.NONE, "float32"), part)  # fp32 in an 8-bit run
+    assert not runner._plausible(0, 0, (message.compression, message.dtype), decoded[:10])
+    assert not runner._plausible(0, 1, (message.compression, message.dtype), decoded)  # no such part
+    assert not runner._plausible(0, 0, (message.compression, message.dtype), None)  # did not decode
+    runner.compression = codecs.make_codec("bf16")  # rounding may grow the norm a little: within the slack
+    message = runner.compression.compress(part, runner.part_infos[0])
+    assert runner._plausible(0, 0, (message.compression, message.dtype), deserialize_torch_tensor(message))
+    assert not runner._plausible(0, 0, (message.compression, message.dtype), 2 * part)

@@ -63,6 +63,24 @@ def test_invalid_fields(change):
         make_spec(**change)
 
 
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "8bit", "quantile8bit"])
+def test_compression_names(name):
+    assert make_spec(hparams={**HPARAMS, "compression": name}).compression == name
+
+
+def test_compression_defaults_to_none_and_refuses_others_clearly():
+    assert make_spec().compression == "none"
+    for bad in ("int4", "", 8, "8BIT"):
+        with pytest.raises(UsageError, match="compression.*must be one of none, fp16, bf16, 8bit, quantile8bit"):
+            make_spec(hparams={**HPARAMS, "compression": bad})
+    with pytest.raises(UsageError, match="bitsandbytes"):
+        make_spec(hparams={**HPARAMS, "compression": "blockwise8"})
+    d = make_spec().to_dict()
+    d["hparams"]["compression"] = "gzip"
+    with pytest.raises(RemoteProtocolError, match="compression"):  # a received spec is checked alike
+        Spec.from_dict(d)
+
+
 def test_dict_roundtrip():
     spec = make_spec(access="invite", created_at=12.5)
     assert Spec.from_dict(unpack(pack(spec.to_dict()))) == spec

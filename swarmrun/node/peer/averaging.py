@@ -19,7 +19,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import BannedException, TensorPartContainer
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import NoCompression, deserialize_torch_tensor
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
@@ -30,6 +30,7 @@ from swarmrun.protocol.codec import unpack
 from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.errors import ProtocolError
 from swarmrun.node import faults
+from swarmrun.node.peer import codecs
 from swarmrun.protocol.records import group_bits
 from swarmrun.protocol.round import (DEFAULT_STEP_TOLERANCE, ClaimDecision, RoundMeta, check_round_meta, decide_claims,
                                      step_bounds)
@@ -50,6 +51,7 @@ class RoundOutcome:
     weights: tuple[float, ...]
     complete: bool  # every part came back averaged from every reducer, no sender was banned
     reason: str = ""
+    sent_bytes: int = 0  # tensor messages this peer sent in the all-reduce (its parts, its averaged parts), encoded
 
 
 def decode_gathered(blob: bytes) -> RoundMeta:
@@ -69,9 +71,13 @@ class ExactAllReduceRunner(AllReduceRunner):
     Overrides (all for exactness, see DESIGN.md "Commit semantics"):
     - ``__init__``: the part container returns averaged parts (``return_deltas=False``); the weight of
       each sender comes from the round's claim decision, not from the number in its messages.
-    - ``_communicate_with_peer`` (own part) and ``_accumulate_parts_streaming`` (others' parts): hand
-      back the averaged part itself, passed once through the wire format so the reducer keeps exactly
-      the bits its receivers get.
+    - ``_communicate_with_peer`` (own part) and ``_accumulate_parts_streaming`` (others' parts): every
+      contribution is averaged as the bits its sender's message decodes to (this peer's own part too, passed
+      once through the run's codec), and each averaged part is encoded once, with the run's codec (not the one a
+      sender's message names), into one message that every receiver gets and the reducer itself decodes: with any
+      codec, every participant holds the bits of the same bytes.
+    - ``_generate_input_for_peer``: counts the encoded bytes of this peer's parts as they go (``sent_bytes``, with the
+      averaged parts it sends back as a reducer): what the codec saves, measured on the messages themselves.
     """
 
     def __init__(self, *, sender_weights: Sequence[float], tensors: Sequence[torch.Tensor],
@@ -85,24 +91,47 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container = TensorPartContainer(
             tensors, self.peer_fractions, return_deltas=False, **container_kwargs
         )
-        self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(
-            self.ordered_peer_ids.index(self.peer_id)
-        )
+        self.compression = self.tensor_part_container.compression
+        own_index = self.ordered_peer_ids.index(self.peer_id)
+        # the infos of the parts this peer reduces: hivemind keeps them only beside the parts (a private deque). The
+        # partition is the same on every peer, so they describe every sender's part of the same index too
+        self.part_infos = tuple(info for _, info in self.tensor_part_container._input_parts_by_peer[own_index])
+        self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(own_index)
+        self._averaged_messages: dict[int, asyncio.Future] = {}  # part index -> its one encoded averaged part
+        self.sent_bytes = 0
         self.weight = self.sender_weights[self.sender_peer_ids.index(self.peer_id)] if self.peer_id in self.sender_peer_ids else 0.0
 
-    def _plausible(self, sender_index: int, part: torch.Tensor) -> bool:
-        """A slice of a sender's gradient is finite and no larger than the whole gradient's declared norm (the
-        weight of a sender is its claimed samples, never a number it declares; its norm bounds what it sends)."""
+    def _plausible(self, sender_index: int, part_index: int, wire: tuple, part: Optional[torch.Tensor]) -> bool:
+        """A slice of a sender's gradient is in the run's codec, of its part's shape, finite and no larger than the
+        whole gradient's declared norm (the weight of a sender is its claimed samples, never a number it declares;
+        its norm bounds what it sends, with the codec's rounding as slack)."""
+        if part is None or part_index >= len(self.part_infos):
+            return False
+        info = self.part_infos[part_index]
+        if wire != codecs.wire_format(self.compression, info) or part.shape != self.parts_for_local_averaging[part_index].shape:
+            return False
         if not bool(torch.isfinite(part).all()):
             return False
         if sender_index < len(self.declared_norms):
             declared = self.declared_norms[sender_index]
-            return declared >= 0 and float(part.float().norm()) <= declared * (1 + 1e-3) + 1e-6
+            slack = 1 + 1e-3 + codecs.rounding_bound(self.compression, info)
+            return declared >= 0 and float(part.float().norm()) <= declared * slack + 1e-6
         return True
 
-    @staticmethod
-    def _as_sent(part: torch.Tensor, compression) -> torch.Tensor:
-        return deserialize_torch_tensor(serialize_torch_tensor(part, compression))
+    def _as_sent(self, part: torch.Tensor, part_index: int) -> torch.Tensor:
+        """The bits this peer's own part decodes to, as its message to another reducer would."""
+        if type(self.compression) is NoCompression:  # fp32 as is: decoding gives back the same bits
+            return part
+        return deserialize_torch_tensor(self.compression.compress(part, self.part_infos[part_index]))
+
+    def _averaged_message(self, part_index: int, averaged: torch.Tensor) -> asyncio.Future:
+        """The averaged part as every receiver gets it: encoded once, by the run's codec; every stream of this
+        reducer sends these bytes and the reducer's own copy is decoded from them."""
+        if part_index not in self._averaged_messages:
+            loop = asyncio.get_event_loop()
+            self._averaged_messages[part_index] = loop.run_in_executor(
+                None, self.compression.compress, averaged, self.part_infos[part_index])
+        return self._averaged_messages[part_index]
 
     async def _communicate_with_peer(self, peer_id):
         if peer_id != self.peer_id:
@@ -110,26 +139,35 @@ class ExactAllReduceRunner(AllReduceRunner):
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         loop = asyncio.get_event_loop()
-        compression = self.tensor_part_container.compression
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            averaged = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, tensor_part, weight=self.weight
-            )
-            as_sent = await loop.run_in_executor(None, self._as_sent, averaged, compression.compression_type)
-            self.tensor_part_container.register_processed_part(peer_index, part_index, as_sent)
+            sent = await loop.run_in_executor(None, self._as_sent, tensor_part, part_index)
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, sent, weight=self.weight)
+            message = await self._averaged_message(part_index, averaged)
+            as_received = await loop.run_in_executor(None, deserialize_torch_tensor, message)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, as_received)
             faults.fire("allreduce", self.round_step)
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            self.sent_bytes += message.ByteSize()
+            yield message
+
+    @staticmethod
+    def _decode(message: averaging_pb2.AveragingData) -> tuple[tuple, Optional[torch.Tensor]]:
+        part = message.tensor_part
+        try:
+            return (part.compression, part.dtype), deserialize_torch_tensor(part)
+        except Exception:  # a format this build cannot decode (BLOCKWISE_8BIT without bitsandbytes, a bad buffer)
+            return (part.compression, part.dtype), None
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
         part_index = 0
         weight = self.sender_weights[sender_index]
         try:
-            loop = asyncio.get_event_loop()
-            async for tensor_part, part_compression in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.tensor_part.compression),
-                stream,
-                max_prefetch=self.tensor_part_container.prefetch,
+            async for wire, tensor_part in amap_in_executor(
+                self._decode, stream, max_prefetch=self.tensor_part_container.prefetch
             ):
-                if not self._plausible(sender_index, tensor_part):
+                if not self._plausible(sender_index, part_index, wire, tensor_part):
                     self.bad_senders.append(self.sender_peer_ids[sender_index].to_base58())
                     break  # the finally bans the sender: its parts are not averaged, the round is incomplete
                 try:
@@ -139,10 +177,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                     part_index += 1
                 except BannedException:
                     break
-                serialized = await loop.run_in_executor(
-                    None, lambda: serialize_torch_tensor(averaged_part, part_compression)
-                )
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                message = await self._averaged_message(part_index - 1, averaged_part)
+                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=message)
+                self.sent_bytes += reply.ByteSize()
+                yield reply
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -163,11 +201,13 @@ class RoundAverager(DecentralizedAverager):
     - ``__del__``: hivemind's reads ``_parent_pid``, which its ``__init__`` sets late; an averager whose
       construction failed earlier (a refused argument) printed an AttributeError at garbage collection.
     - ``run`` (the averager process's entry): bounds the declared length of every averager message before hivemind
-      buffers it (``net.bounds.install_protobuf_bounds``; hivemind reads it in a static method of ``P2P``).
+      buffers it (``net.bounds.install_protobuf_bounds``; hivemind reads it in a static method of ``P2P``), and
+      decodes hivemind's 8-bit formats under numpy 2 (``codecs.install_codecs``).
     """
 
     def run(self):
         install_protobuf_bounds()  # in the averager's process, before its handlers are registered
+        codecs.install_codecs()
         super().run()
 
     def __init__(
@@ -305,16 +345,18 @@ class RoundAverager(DecentralizedAverager):
                                                          declared_norms=declared, **kwargs)
         except Exception as e:  # a failed peer, a timeout, a protocol error: the round is incomplete
             logger.debug(f"all-reduce failed: {e!r}", exc_info=True)
+            sent = self._last_runner.sent_bytes if getattr(self, "_last_runner", None) is not None else 0
             self._note_bad_senders()
-            return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, f"all-reduce failed: {e!r}")
+            return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, f"all-reduce failed: {e!r}",
+                                sent)
         failed = runner.tensor_part_container.failed_size
         self._note_bad_senders()
         banned = sorted(p.to_base58()[-6:] for p in runner.banned_senders)
         if failed or banned:
             reason = f"{failed} values not averaged by their reducer; banned senders {banned}"
-            return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, reason)
+            return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, False, reason, runner.sent_bytes)
         self._recent_norms.extend(m.grad_norm for m in metas if m.grad_norm > 0)
-        return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, True)
+        return RoundOutcome(group_info.group_id, peer_ids, metas, claims.weights, True, "", runner.sent_bytes)
 
     def _note_bad_senders(self) -> None:
         """Senders the last runner caught with bad gradients are refused in the next rounds (this one is

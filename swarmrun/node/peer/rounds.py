@@ -17,6 +17,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from swarmrun.node.net.records import read_subkeys
 from swarmrun.node.peer.averaging import RoundAverager, RoundOutcome
+from swarmrun.node.peer.codecs import make_codec
 from swarmrun.node.runtime import await_future
 from swarmrun.node.state.run import digest_tensors
 from swarmrun.protocol.cursor import DataCursor
@@ -47,7 +48,8 @@ class RoundResult:
 
 
 def make_averager(params: Sequence[torch.Tensor], dht: DHT, *, spec: Spec, gate, config) -> RoundAverager:
-    """The run's averager: one buffer per parameter, on the CPU; matchmaking under the run's prefix."""
+    """The run's averager: one buffer per parameter, on the CPU; matchmaking under the run's prefix; the all-reduce
+    in the spec's codec (``Spec.compression``)."""
     averaged = [torch.zeros_like(p, device="cpu") for p in params]
     return RoundAverager(
         averaged,
@@ -64,6 +66,7 @@ def make_averager(params: Sequence[torch.Tensor], dht: DHT, *, spec: Spec, gate,
         target_group_size=None,
         min_group_size=2,
         auxiliary=config.role == Role.KEEPER,
+        compression=make_codec(spec.compression),
         allow_state_sharing=False,  # state travels through swarmrun's own transfer (net/serve.py, net/fetch.py)
         shutdown_timeout=3.0,
     )

@@ -358,7 +358,8 @@ class Trainer:
             self._after_commit()
             self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=result.seconds,
                                                           vote_s=round(result.vote_seconds, 3), samples=claims.samples, blocks=claims.applied.to_list(),
-                                                          round_overhead_s=round(max(0.0, get_dht_time() - ready), 3)))
+                                                          round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
+                                                          sent_bytes=outcome.sent_bytes))
             # in the background: the next step's first batch may plan on the older view, the next ones read this one
             self._looking = asyncio.ensure_future(self._tell_and_look())
         else:

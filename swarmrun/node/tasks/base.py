@@ -51,6 +51,8 @@ class Task(abc.ABC):
         "block_size": 8,  # examples per block, the unit of data accounting
         "eval_every": 10,  # steps between evaluations (0: never)
         "chunk_size": 1 << 20,  # bytes per chunk of the state: the unit of transfer and verification
+        "compression": "none",  # codec of the gradient all-reduce: protocol.spec.COMPRESSIONS
+        "step_tolerance": 0.05,  # a committed step carries target_batch_size within this fraction
     }
 
     def __init__(self, args: Mapping[str, Any], seed: int):
