@@ -61,6 +61,15 @@ class Reporter:
         self.view = SwarmView(reports={**view.reports, self.peer_id: self.report()})
         self.recently_live()
 
+    async def publish_and_read(self) -> None:
+        """After a commit: publish the new step at once and read the others' (the next step's plan needs a fresh
+        view; ``report_interval`` is longer than a step of a fast swarm). Bounded; the periodic round retries."""
+        try:
+            await asyncio.wait_for(self.publish(), self.config.report_interval)
+            await asyncio.wait_for(self.refresh(), self.config.report_interval)
+        except Exception as e:
+            logger.debug(f"could not refresh the view after a commit: {e!r}")
+
     def recently_live(self) -> int:
         """Trainers seen live within the report TTL (a high-water mark: a view that is still forming, at a start or
         under load, must not make a minority look like a majority)."""

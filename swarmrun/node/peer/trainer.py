@@ -70,7 +70,9 @@ class TrainerConfig:
     state_timeout: float = 60.0
     mixed_precision: bool = True  # autocast to bf16 on CUDA
     max_failed_rounds: int = 50  # consecutive abandoned rounds before giving up
-    min_peers: int = 1  # do not step until this many trainers are live (a demo or test waiting for its peers)
+    # do not step until this many trainers were live at once (a demo or test waiting for its peers; once met, a peer
+    # that dies later does not stop the others)
+    min_peers: int = 1
     finish_linger: float = 45.0  # a finished peer serves trainers still behind at most this long (> a round's wait)
 
 
@@ -106,6 +108,7 @@ class Trainer:
         self.floor = 0  # a round fell short and this peer takes the rest: its part is at least this
         self._looking: Optional[asyncio.Future] = None  # the publish-and-read after the last commit
         self._plan_step, self._step_since = -1, 0.0  # the step plans are for, and when this peer reached it
+        self._met_min_peers = False
         # set by a signal (even one that came before the trainer existed), a pause, or the library's caller
         self.stop_requested = stop_requested if stop_requested is not None else asyncio.Event()
         self.finished = False
@@ -218,7 +221,7 @@ class Trainer:
             await self.resync()
         elif self.config.role == Role.KEEPER:
             await asyncio.sleep(self.config.report_interval)
-        elif len(self.view.trainers) < self.config.min_peers:
+        elif not self._peers_met():
             if self.samples < self.spec.target_batch_size:
                 await self._compute_once(self.spec.target_batch_size)
             else:
@@ -233,6 +236,12 @@ class Trainer:
             else:
                 await self._compute_once(quota)
         return None
+
+    def _peers_met(self) -> bool:
+        """``min_peers`` trainers were live at once (a start gate, not a quorum: it is met once for good)."""
+        if not self._met_min_peers and len(self.view.trainers) >= self.config.min_peers:
+            self._met_min_peers = True
+        return self._met_min_peers
 
     def _my_quota(self) -> int:
         """This peer's part of the next step (``protocol.plan``); once no free block is left to it, what it has."""
@@ -361,7 +370,7 @@ class Trainer:
                                                           round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
                                                           sent_bytes=outcome.sent_bytes))
             # in the background: the next step's first batch may plan on the older view, the next ones read this one
-            self._looking = asyncio.ensure_future(self._tell_and_look())
+            self._looking = asyncio.ensure_future(self.reporter.publish_and_read())
         else:
             me = outcome.peer_ids.index(self.peer_id) if self.peer_id in outcome.peer_ids else -1
             if me in claims.refused:
@@ -372,15 +381,6 @@ class Trainer:
             if me >= 0 and me not in claims.refused and short > 0 and shortfall_taker(list(outcome.peer_ids),
                                                                                       me=self.peer_id):
                 self.floor = self.samples + short  # the round fell short: this peer computes the rest
-
-    async def _tell_and_look(self) -> None:
-        """After a commit: publish the new step at once and read the others' (the next step's plan needs a fresh
-        view; the reporter's interval is longer than a step of a fast swarm)."""
-        try:
-            await asyncio.wait_for(self.reporter.publish(), self.config.report_interval)
-            await asyncio.wait_for(self.reporter.refresh(), self.config.report_interval)
-        except Exception as e:  # the periodic reporter tries again
-            logger.debug(f"could not refresh the view after a commit: {e!r}")
 
     def _abandon(self, reason: str) -> None:
         self.spent_at, self.ready_at = 0.0, 0.0  # the part is planned again (the swarm may have changed)
