@@ -28,7 +28,7 @@ def add_parsers(sub) -> None:
     j.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     j.add_argument("--max-steps", type=int, default=None, help="leave once the run reaches step N")
     j.add_argument("--min-peers", type=int, default=1,
-                   help="do not step until this many trainers are live (once met, the run goes on if peers leave)")
+                   help="do not step until this many trainers are live; once they were, go on with fewer but never alone")
     j.add_argument("--matchmaking-time", type=float, default=2.0, help="seconds to gather a group for a round")
     j.add_argument("--resume-from", default=None, metavar="STORE[@STEP]",
                    help="restart the run from a snapshot (the newest complete one, or STEP); --set may change "

@@ -70,8 +70,8 @@ class TrainerConfig:
     state_timeout: float = 60.0
     mixed_precision: bool = True  # autocast to bf16 on CUDA
     max_failed_rounds: int = 50  # consecutive abandoned rounds before giving up
-    # do not step until this many trainers were live at once (a demo or test waiting for its peers; once met, a peer
-    # that dies later does not stop the others)
+    # do not step until this many trainers are live (a demo or test waiting for its peers); once they were, the run
+    # goes on with fewer, but never steps alone while fewer than this are live
     min_peers: int = 1
     finish_linger: float = 45.0  # a finished peer serves trainers still behind at most this long (> a round's wait)
 
@@ -238,10 +238,10 @@ class Trainer:
         return None
 
     def _peers_met(self) -> bool:
-        """``min_peers`` trainers were live at once (a start gate, not a quorum: it is met once for good)."""
-        if not self._met_min_peers and len(self.view.trainers) >= self.config.min_peers:
-            self._met_min_peers = True
-        return self._met_min_peers
+        """The ``min_peers`` gate: all of them before the first step; after that, at least one other trainer."""
+        live = len(self.view.trainers)
+        self._met_min_peers = self._met_min_peers or live >= self.config.min_peers
+        return live >= self.config.min_peers or (self._met_min_peers and live >= 2)
 
     def _my_quota(self) -> int:
         """This peer's part of the next step (``protocol.plan``); once no free block is left to it, what it has."""
