@@ -38,7 +38,7 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from step_throughput import Peer, RunFailed, kill_all, node_command  # noqa: E402
+from _procs import Peer, RunFailed, kill_all, node_command  # noqa: E402
 
 CODECS = ("none", "fp16", "8bit")
 
