@@ -30,6 +30,7 @@ from swarmrun.protocol.errors import SwarmrunError
 from .checks import Life
 from .poolchecks import PoolRecord
 from .pooltrace import PoolEvent, PoolTrace
+from .runner import kill_groups, wait_groups_gone
 
 Emit = Callable[..., None]
 ROOT = Path(__file__).resolve().parents[1]  # the tree the pool's processes import (agents start peers elsewhere)
@@ -329,21 +330,13 @@ class PoolSimulation:
                 pass
         self._drain()
         groups = [p.proc.pid for p in self.procs.values()] + list(self.peer_pids)
-        for pgid in groups:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.killpg(pgid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        kill_groups(groups)
         for p in self.procs.values():
             try:
                 p.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_group_exists(g) for g in groups):
-            time.sleep(0.2)
-        self.cleaned = not any(_group_exists(g) for g in groups)
+        self.cleaned = wait_groups_gone(groups, time.monotonic() + 15)
         self.rec.cleaned = self.cleaned
         _remove_stale_sockets(self.sockets_before)
 
@@ -385,16 +378,6 @@ def _registry_events(db: str, wall0: float) -> list[dict[str, Any]]:
             since = batch[-1]["id"]
     finally:
         registry.close()
-
-
-def _group_exists(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _remove_stale_sockets(before: set) -> None:

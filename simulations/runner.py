@@ -502,12 +502,7 @@ class Simulation:
             life = self.rec.lives[key]
             if life.end is None:
                 life.end, life.ended_by = self.now(), life.ended_by or "cleanup"
-        for pgid in groups:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.killpg(pgid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        kill_groups(groups)
         for p in self.procs.values():
             try:
                 p.proc.wait(timeout=10)
@@ -523,16 +518,30 @@ class Simulation:
                 self.pause_proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_group_exists(g) for g in groups):
-            time.sleep(0.2)
-        self.cleaned = not any(_group_exists(g) for g in groups)
+        self.cleaned = wait_groups_gone(groups, time.monotonic() + 15)
         if self.network is not None:
             self.network.close()
         shutil.rmtree(self.state_root, ignore_errors=True)
 
 
-def _group_exists(pgid: int) -> bool:
+def kill_groups(groups) -> None:
+    """SIGKILL each process group (SIGCONT first: a stopped group would not die until continued)."""
+    for pgid in groups:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def wait_groups_gone(groups, deadline: float) -> bool:
+    """Wait (until the monotonic ``deadline``) for every process group to be gone; whether they all are."""
+    while time.monotonic() < deadline and any(group_exists(g) for g in groups):
+        time.sleep(0.2)
+    return not any(group_exists(g) for g in groups)
+
+
+def group_exists(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
         return True

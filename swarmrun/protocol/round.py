@@ -17,6 +17,7 @@ from typing import Mapping, Optional, Sequence
 from swarmrun.protocol.codec import bytes_field, float_field, int_field, message, pack, require, str_field
 from swarmrun.protocol.cursor import DataCursor, RangeSet, block_examples
 from swarmrun.protocol.errors import Reject, Rejection
+from swarmrun.protocol.spec import DEFAULT_STEP_TOLERANCE
 
 ROUND_VERSION = 1
 MAX_META_BYTES = 64 * 1024
@@ -151,9 +152,6 @@ def step_bounds(target: int, tolerance: float) -> tuple[int, int]:
     """The samples a committed step may carry: ``target`` within ``tolerance`` (a fraction; the spec's
     ``step_tolerance``, default ``DEFAULT_STEP_TOLERANCE``)."""
     return math.ceil(target * (1 - tolerance)), max(target, math.floor(target * (1 + tolerance)))
-
-
-DEFAULT_STEP_TOLERANCE = 0.05
 
 
 def decide_claims(metas: Sequence[RoundMeta], cursor: DataCursor, *, target: Optional[int] = None,

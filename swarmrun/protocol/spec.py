@@ -24,6 +24,7 @@ __all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "COMPRESSIONS", "RUN_ID", "BUDGET_
            "SignedSpec", "amend", "choose_spec", "choose_budget", "planned_steps", "budget_reached", "steps_left"]
 
 SPEC_VERSION = 1
+DEFAULT_STEP_TOLERANCE = 0.05
 ACCESS_POLICIES = ("open", "invite")
 #: the codecs of a run's gradient all-reduce (hparam ``compression``; ``node.peer.codecs`` builds them): each part is
 #: encoded once by its sender and once by its reducer, and every participant uses the decoded bits
@@ -134,7 +135,7 @@ class Spec:
         if not _is_int(self.hparams[budgets[0]]) or self.hparams[budgets[0]] <= 0:
             raise UsageError(f"hparams[{budgets[0]!r}] must be a positive int, got {self.hparams[budgets[0]]!r}")
         _check_compression(self.hparams.get("compression", "none"))
-        tolerance = self.hparams.get("step_tolerance", 0.05)
+        tolerance = self.hparams.get("step_tolerance", DEFAULT_STEP_TOLERANCE)
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
             raise UsageError(f"hparams['step_tolerance'] must be a number in [0, 1), got {tolerance!r}")
         if not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _UINT64_MAX:
@@ -195,6 +196,11 @@ class Spec:
     def block_size(self) -> int:
         """Examples per block of the data order."""
         return int(self.hparams["block_size"])
+
+    @property
+    def step_tolerance(self) -> float:
+        """A committed step carries ``target_batch_size`` within this fraction (0.05 for a spec without one)."""
+        return float(self.hparams.get("step_tolerance", DEFAULT_STEP_TOLERANCE))
 
     @property
     def compression(self) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from simulations.runner import group_exists
 from swarmrun.coordinator.client import Client
 
 pytestmark = pytest.mark.timeout(600)
@@ -73,16 +74,6 @@ def _wait(check, bound: float, what: str):
     raise AssertionError(f"{what}: not within {bound} s")
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def test_pool_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     coord_dir = tmp_path / "coordinator"
@@ -129,7 +120,7 @@ def test_pool_end_to_end(tmp_path):
         coordinator.proc.wait(10)
         step1 = _wait(lambda: [e["step"] for e in w1.events("peer_step")][-1:], 30, "w1's steps")[0]
         _wait(lambda: max(e["step"] for e in w1.events("peer_step")) > step1, START_BOUND, "w1 trains with no coordinator")
-        assert _group_alive(w1_peer) and not w1.events("peer_stopped")
+        assert group_exists(w1_peer) and not w1.events("peer_stopped")
         coordinator = Proc("coordinator2", coordinator_args, tmp_path, env)
         procs.append(coordinator)
         coordinator.wait_event("serving", 60)
@@ -171,4 +162,4 @@ def test_pool_end_to_end(tmp_path):
                 pass
         for p in procs:
             p.proc.wait(10)
-        _wait(lambda: not any(_group_alive(g) for g in groups), 30, "every process group ended")
+        _wait(lambda: not any(group_exists(g) for g in groups), 30, "every process group ended")

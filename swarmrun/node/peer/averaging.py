@@ -32,8 +32,8 @@ from swarmrun.protocol.errors import ProtocolError
 from swarmrun.node import faults
 from swarmrun.node.peer import codecs
 from swarmrun.protocol.records import group_bits
-from swarmrun.protocol.round import (DEFAULT_STEP_TOLERANCE, ClaimDecision, RoundMeta, check_round_meta, decide_claims,
-                                     step_bounds)
+from swarmrun.protocol.round import ClaimDecision, RoundMeta, check_round_meta, decide_claims, step_bounds
+from swarmrun.protocol.spec import DEFAULT_STEP_TOLERANCE
 
 logger = get_logger(__name__)
 SUSPECT_STEPS = 10  # rounds a sender caught with bad gradients is refused in

@@ -36,7 +36,6 @@ from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, Stopped, 
 from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE
 from swarmrun.protocol.plan import my_quota, pick_blocks, plan_step, ready_for_round, round_eta, shortfall_taker
 from swarmrun.protocol.round import (
-    DEFAULT_STEP_TOLERANCE,
     Commit,
     ProgressReport,
     Role,
@@ -270,9 +269,6 @@ class Trainer:
     def _target(self) -> int:
         return step_target(self.state.cursor, self.spec.target_batch_size)
 
-    def _tolerance(self) -> float:
-        return float(self.spec.hparams.get("step_tolerance", DEFAULT_STEP_TOLERANCE))
-
     def _behind(self) -> bool:
         return self.catchup.behind()
 
@@ -352,7 +348,7 @@ class Trainer:
         plan = self._plan()
         try:
             result = await self.rounds.attempt(meta, cursor=self.state.cursor, target=self._target(),
-                                               tolerance=self._tolerance(), group_size=len(plan.quotas),
+                                               tolerance=self.spec.step_tolerance, group_size=len(plan.quotas),
                                                eta=round_eta(plan, self.view, me=self.peer_id, step=self.state.step))
         except Stopped:
             raise
@@ -366,7 +362,8 @@ class Trainer:
             await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
             self._after_commit()
             self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=result.seconds,
-                                                          vote_s=round(result.vote_seconds, 3), samples=claims.samples, blocks=claims.applied.to_list(),
+                                                          vote_s=round(result.vote_seconds, 3), samples=claims.samples,
+                                                          blocks=claims.applied.to_list(),
                                                           round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
                                                           sent_bytes=outcome.sent_bytes))
             # in the background: the next step's first batch may plan on the older view, the next ones read this one
