@@ -3,8 +3,8 @@ presence and its peer's address, and starts and stops one peer (a `node join` ch
 
 Each peer is a child process in its own session (process group), with its own state dir
 ``STATE_DIR/runs/RUN_ID`` (its stderr in ``peer.log`` there, its ``--json`` events in ``peer-PID.jsonl``); it writes snapshots to ``STORE/RUN_ID`` (the pool's store, from the coordinator), so
-the last peer of a run that leaves writes its newest state there. A peer is stopped with SIGTERM to its group and
-SIGKILL after ``stop_timeout``: the resident gets the machine back within ``stop_timeout`` plus one tick.
+the last peer of a run that leaves writes its newest state there. A peer is stopped with SIGTERM (to its main process)
+and SIGKILL to its whole group after ``stop_timeout``: the resident gets the machine back within ``stop_timeout`` plus one tick.
 
 The agent decides locally what it can: when the resident returns it stops its peer at once, without waiting for
 the coordinator; when the coordinator is unreachable it keeps its peer training.
@@ -266,7 +266,7 @@ class Agent:
             self.unreported[run_id] = {**old, **body} if newer else {**body, **old}
 
     async def stop_peer(self, reason: str) -> None:
-        """SIGTERM to the peer's process group, SIGKILL after ``stop_timeout``; waits for it."""
+        """SIGTERM to the peer, SIGKILL to its process group after ``stop_timeout``; waits for it."""
         peer = self.peer
         if peer is None:
             return
@@ -274,7 +274,12 @@ class Agent:
         began = time.monotonic()
         killed = False
         if peer.proc.returncode is None:
-            _signal_group(peer.proc.pid, signal.SIGTERM)
+            # the peer alone: it leaves gracefully and shuts its hivemind processes and p2pd down itself (a p2pd
+            # ended by the group's signal would take the last report and the leave's DHT reads with it)
+            try:
+                peer.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
             try:
                 await asyncio.wait_for(peer.proc.wait(), timeout=self.config.stop_timeout)
             except asyncio.TimeoutError:

@@ -143,3 +143,31 @@ def test_a_non_finite_sender_is_dropped(two_averagers):
     metas[1] = dataclasses.replace(metas[1], grad_norm=10.0)  # NaN norm is not a number it can declare
     outcomes = run_round(two_averagers, metas, cursor)
     assert not any(o.complete for o in outcomes), outcomes
+
+
+def test_an_averager_process_that_died_holding_the_tensors_lock_is_reported_not_waited_for():
+    """A signal to the whole process group can kill hivemind's averager process inside a round, with the averaged
+    tensors' lock held: the host's ``get_tensors`` raised nothing and froze its event loop until a SIGKILL."""
+    import multiprocessing
+    import os
+    import signal
+
+    from swarmrun.node.peer.averaging import AveragerGone
+
+    dht = DHT(start=True)
+    avg = RoundAverager([torch.zeros(8)], dht, spec_hash=SPEC_HASH, prefix="test_gone", start=True)
+    try:
+        with avg.get_tensors() as tensors:  # a live averager: the lock is taken and given back
+            assert tensors[0].shape == (8,)
+        holder = multiprocessing.get_context("fork").Process(target=avg.lock_averaged_tensors.acquire)
+        holder.start()  # takes the lock and exits without releasing it, as the killed averager did
+        holder.join(10)
+        os.kill(avg.pid, signal.SIGKILL)
+        avg.join(10)
+        with pytest.raises(AveragerGone):
+            with avg.get_tensors():
+                pass
+    finally:
+        if avg.is_alive():
+            avg.shutdown()
+        dht.shutdown()

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import os
 import statistics
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Iterator, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -28,7 +30,7 @@ from hivemind.utils.asyncio import amap_in_executor, azip, as_aiter, enter_async
 from swarmrun.node.net.bounds import install_protobuf_bounds
 from swarmrun.protocol.codec import unpack
 from swarmrun.protocol.cursor import DataCursor
-from swarmrun.protocol.errors import ProtocolError
+from swarmrun.protocol.errors import ProtocolError, SwarmrunError
 from swarmrun.node import faults
 from swarmrun.node.peer import codecs
 from swarmrun.protocol.records import group_bits
@@ -38,7 +40,12 @@ from swarmrun.protocol.spec import DEFAULT_STEP_TOLERANCE
 logger = get_logger(__name__)
 SUSPECT_STEPS = 10  # rounds a sender caught with bad gradients is refused in
 NORM_HISTORY = 32  # declared norms of complete rounds kept to judge a new one
+LOCK_POLL_SECONDS = 0.5  # the host checks that the averager process lives this often while waiting for its lock
 NORM_RANGE = 20.0  # a declared norm this many times the recent median is refused at admission
+
+
+class AveragerGone(SwarmrunError):
+    """hivemind's averager process is gone (killed, crashed): this peer can take part in no further round."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +205,10 @@ class RoundAverager(DecentralizedAverager):
       group), decides claims and weights, runs ``ExactAllReduceRunner`` and returns a ``RoundOutcome``
       instead of raising on a partial all-reduce (a retry would run on half-averaged tensors).
     - ``_run_allreduce_inplace_``: copies the averaged parts into the tensors.
+    - ``get_tensors``: in the host process, waits for the averaged tensors' lock only while the averager process
+      lives. An averager process killed in the middle of a round (a signal to the whole process group, the OOM
+      killer) dies holding that lock, and hivemind's blocking ``with lock`` then froze the host's event loop for
+      good: no leave, no last report, no leave snapshot, until something SIGKILLed it.
     - ``__del__``: hivemind's reads ``_parent_pid``, which its ``__init__`` sets late; an averager whose
       construction failed earlier (a refused argument) printed an AttributeError at garbage collection.
     - ``run`` (the averager process's entry): bounds the declared length of every averager message before hivemind
@@ -232,6 +243,25 @@ class RoundAverager(DecentralizedAverager):
     def __del__(self):
         if "_parent_pid" in self.__dict__:
             super().__del__()
+
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
+        """hivemind's ``get_tensors``; in the host process it raises ``AveragerGone`` instead of waiting forever
+        on a lock whose holder died."""
+        lock = self.lock_averaged_tensors
+        if os.getpid() == self.__dict__.get("_parent_pid", os.getpid()) and self._started():
+            while not lock.acquire(timeout=LOCK_POLL_SECONDS):
+                if not self.is_alive():
+                    raise AveragerGone("hivemind's averager process died holding the averaged tensors' lock")
+        else:  # the averager process itself (hivemind's all-reduce), or an averager not started yet
+            lock.acquire()
+        try:
+            yield self._averaged_tensors
+        finally:
+            lock.release()
+
+    def _started(self) -> bool:
+        return self._popen is not None
 
     # ---- runs in the averager process ---------------------------------------------------------------
     def prepare_round(self, step: int, cursor: DataCursor, revocations=None, *, target: Optional[int] = None,

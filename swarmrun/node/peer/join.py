@@ -6,6 +6,7 @@ Also the library entry point for an existing script: ``swarmrun.node.run_peer(..
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -251,6 +252,7 @@ async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) 
 
 
 LEAVE_GRACE = 30.0  # seconds a peer asked to leave may take before it is made to
+LEAVE_SLOW = 10.0  # a leave still going after this long writes every thread's stack to stderr (where it hangs)
 
 
 class LeaveSignals:
@@ -259,9 +261,9 @@ class LeaveSignals:
     leave a call hanging), ends the process and its children at once; the run's committed state lives on with
     the other peers and in snapshots.
 
-    A Python-level handler, not ``loop.add_signal_handler``: it runs even when the loop is blocked (a hivemind
-    child killed by a signal to the whole group can die holding the averaged tensors' lock). Processes forked
-    after ``install`` (hivemind's DHT and averager) inherit it: there it falls back to the default action.
+    A Python-level handler, not ``loop.add_signal_handler``: it runs even when the loop is blocked. Processes
+    forked after ``install`` (hivemind's DHT and averager) inherit it: there it ignores the signal while the host
+    lives (the host shuts them down as it leaves) and falls back to the default action in an orphan.
     ``restore`` puts back what was there before (a library caller's own handlers)."""
 
     def __init__(self, stop: asyncio.Event):
@@ -279,8 +281,13 @@ class LeaveSignals:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
     def _on_signal(self, signum, frame) -> None:
-        if os.getpid() != self.pid:  # a forked hivemind child: die as it would have
-            signal.signal(signum, signal.SIG_DFL)
+        if os.getpid() != self.pid:  # a forked hivemind child (DHT, averager)
+            if os.getppid() == self.pid:
+                # the host is leaving and shuts this process down itself. Dying here, on a signal to the whole
+                # group (Ctrl-C in a terminal), left the host's leave hanging: an averager killed inside a round
+                # holds the averaged tensors' lock, a dead DHT's futures never resolve (the vote, the last report)
+                return
+            signal.signal(signum, signal.SIG_DFL)  # an orphan: die as it would have
             os.kill(os.getpid(), signum)
             return
         self.count += 1
@@ -291,7 +298,10 @@ class LeaveSignals:
 
 
 def _watchdog() -> None:
-    time.sleep(LEAVE_GRACE)
+    time.sleep(LEAVE_SLOW)
+    logger.warning(f"still leaving after {LEAVE_SLOW:.0f}s; the threads' stacks follow")
+    faulthandler.dump_traceback(all_threads=True)
+    time.sleep(LEAVE_GRACE - LEAVE_SLOW)
     _leave_now(f"a leave that took over {LEAVE_GRACE:.0f}s")
 
 
