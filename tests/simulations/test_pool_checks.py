@@ -108,7 +108,7 @@ def test_the_record_survives_json():
 def test_the_shipped_pool_trace_parses_and_bad_ones_say_which_field(tmp_path):
     assert is_pool_trace("simulations/traces/pool.json") and not is_pool_trace("simulations/traces/smoke.json")
     trace = load_pool_trace("simulations/traces/pool.json")
-    assert trace.worker_ids == ["w1", "w2", "w3", "w4"] and set(trace.runs) == {"big", "exp1", "exp2"}
+    assert trace.worker_ids == ["w1", "w2", "w3", "w4", "w5", "w6"] and set(trace.runs) == {"big", "exp1", "exp2"}
     base = json.loads(open("simulations/traces/pool.json").read())
     for change, field in (({"workers": 0}, "workers"), ({"stop_timeout": 40}, "stop_timeout"),
                           ({"events": base["events"][1:]}, "submit every run"),

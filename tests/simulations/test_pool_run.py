@@ -2,7 +2,7 @@
 agents, a low-priority run shrunk by a high-priority one, a resident's return, a coordinator SIGKILL and restart.
 It asserts on summary.json that every invariant held, and that no process of the run is left.
 
-The shipped trace (`simulations/traces/pool.json`, 4 agents, 3 runs, a pause) is the longer measurement; see
+The shipped trace (`simulations/traces/pool.json`, 6 agents, 3 runs, a pause) is the longer measurement; see
 simulations/README.md for its figures."""
 
 import json
