@@ -123,7 +123,8 @@ def run_end(rec: Record) -> Optional[tuple[float, int]]:
     only the peers know which step reached it (the ``step`` events' ``total_steps`` is a plan, give or take a
     step): it is the newest step a peer left with reason ``finished`` at."""
     if rec.sample_budget:
-        done = [int(e["step"]) for _, _, e in rec.of("left") if e.get("reason") == "finished" and e.get("step") is not None]
+        done = [int(e["step"]) for _, _, e in rec.of("left")
+                if e.get("reason") == "finished" and e.get("step") is not None]
         if not done:
             return None
         last = max(done)
