@@ -155,7 +155,8 @@ def _report(args, trace, out) -> int:
         saved = json.loads((folder / "lives.json").read_text())
         lines = (folder / "events.jsonl").read_text().splitlines()
         rec = Record(total_steps=int(saved.get("total_steps") or trace.sets.get("total_steps") or 0),
-                     target_batch_size=int(saved.get("target_batch_size") or trace.sets.get("target_batch_size") or 0))
+                     target_batch_size=int(saved.get("target_batch_size") or trace.sets.get("target_batch_size") or 0),
+                     sample_budget=bool(saved.get("sample_budget")))
         rec.lives = {k: Life(**v) for k, v in saved["lives"].items()}
         rec.faults = saved["faults"]
         rec.proxies = saved.get("proxies") or {}
@@ -218,7 +219,8 @@ def _finish(folder: Path, trace, rec, *, cleaned: bool, run_id: str, args, out, 
         for name, value in invariants.items():
             print(f"{'ok  ' if value else 'FAIL'} {name}" + "".join(f"\n       {p}" for p in problems.get(name, [])[:5]))
         lf = summary["loss"]
-        print(f"final step {summary['final_step']}/{summary['total_steps']}, {summary['peers_started']} peers, "
+        of = f"/{summary['total_steps']}" if summary["total_steps"] else " (sample budget)"
+        print(f"final step {summary['final_step']}{of}, {summary['peers_started']} peers, "
               f"faults {summary['faults']}, loss {lf.get('swarm_loss')} vs baseline {lf.get('baseline_loss')}"
               f"{' (interrupted)' if interrupted else ''}; report in {folder}")
         for line in human_lines(summary):

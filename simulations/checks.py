@@ -42,6 +42,7 @@ class Record:
     faults: list = field(default_factory=list)  # dicts: t, kind, peer, ...
     total_steps: int = 0
     target_batch_size: int = 0
+    sample_budget: bool = False  # the run ends on total_samples or epochs: its last step is the peers' to tell
     end: float = 0.0
     proxies: dict = field(default_factory=dict)  # traces with latency: the delay proxies' counters and audit
 
@@ -115,6 +116,26 @@ def frontier(rec: Record, t: float) -> tuple[int, list[str]]:
     return top, [k for k, s in alive.items() if s == top]
 
 
+def run_end(rec: Record) -> Optional[tuple[float, int]]:
+    """(time, step) of the first commit of the run's last step, or None while the run has not finished.
+
+    Under ``total_steps`` the last step is ``total_steps``. Under a sample budget (``total_samples``, ``epochs``)
+    only the peers know which step reached it (the ``step`` events' ``total_steps`` is a plan, give or take a
+    step): it is the newest step a peer left with reason ``finished`` at."""
+    if rec.sample_budget:
+        done = [int(e["step"]) for _, _, e in rec.of("left")
+                if e.get("reason") == "finished" and e.get("step") is not None]
+        if not done:
+            return None
+        last = max(done)
+        times = [t for t, _, e in rec.of(*STATE_EVENTS) if e.get("step") is not None and int(e["step"]) >= last]
+        return min(times), last
+    if not rec.total_steps:
+        return None
+    times = [(t, int(e["step"])) for t, _, e in rec.of("step") if int(e.get("step") or 0) >= rec.total_steps]
+    return min(times) if times else None
+
+
 def joiners_reach_current_step(rec: Record) -> tuple[bool, list[str], list[dict]]:
     """Invariant 3, second half: a joiner bootstraps to at least the step the swarm held when it started (unless
     every holder of that step died before it finished downloading), and one alive when the run ended ends at
@@ -125,8 +146,8 @@ def joiners_reach_current_step(rec: Record) -> tuple[bool, list[str], list[dict]
     final = max([int(e["step"]) for _, _, e in rec.of(*STATE_EVENTS) if e.get("step") is not None], default=0)
     problems, rows = [], []
     left = {k: t for t, k, _ in rec.of("left")}  # a peer that printed `left` serves no more
-    finished_at = min((t for t, _, e in rec.of("step") if rec.total_steps and int(e.get("step") or 0) >= rec.total_steps),
-                      default=None)  # the first commit of the run's last step
+    end = run_end(rec)
+    finished_at = end[0] if end is not None else None  # the first commit of the run's last step
     for life in rec.lives.values():
         if life.initial or life.resumed:
             continue
@@ -279,8 +300,11 @@ def check_all(rec: Record, *, cleaned: bool, loss_ok: Optional[bool]) -> tuple[d
     why["blocks_skipped_zero"] = [] if inv["blocks_skipped_zero"] else [f"final cursor: {cursor}"]
     why["blocks_duplicated_zero"] = [] if inv["blocks_duplicated_zero"] else [f"final cursor: {cursor}"]
     final = max([int(e["step"]) for _, _, e in rec.of(*STATE_EVENTS) if e.get("step") is not None], default=0)
-    inv["run_finished"] = final >= rec.total_steps > 0
-    why["run_finished"] = [] if inv["run_finished"] else [f"final step {final} of {rec.total_steps}"]
+    end = run_end(rec)
+    inv["run_finished"] = end is not None and final >= end[1] if rec.sample_budget else final >= rec.total_steps > 0
+    why["run_finished"] = [] if inv["run_finished"] else [
+        f"final step {final}; no peer left 'finished' (sample budget)" if rec.sample_budget
+        else f"final step {final} of {rec.total_steps}"]
     inv["processes_cleaned_up"] = cleaned
     why["processes_cleaned_up"] = [] if cleaned else ["a peer process outlived the run"]
     if rec.proxies:
@@ -292,4 +316,4 @@ def check_all(rec: Record, *, cleaned: bool, loss_ok: Optional[bool]) -> tuple[d
 
 def as_jsonable(rec: Record) -> dict[str, Any]:
     return dict(lives={k: vars(v) for k, v in rec.lives.items()}, faults=rec.faults, total_steps=rec.total_steps,
-                target_batch_size=rec.target_batch_size, end=rec.end, proxies=rec.proxies)
+                target_batch_size=rec.target_batch_size, sample_budget=rec.sample_budget, end=rec.end, proxies=rec.proxies)

@@ -59,7 +59,8 @@ def figures(rec: Record, trace_name: str, run_id: str, loss: dict, wall_s: float
     lost = work_lost(rec)
     span = (step_times[-1] - first_step) if len(step_times) > 1 else 0.0
     return dict(
-        trace=trace_name, run_id=run_id, wall_s=round(wall_s, 1), final_step=final, total_steps=rec.total_steps,
+        trace=trace_name, run_id=run_id, wall_s=round(wall_s, 1), final_step=final, total_steps=rec.total_steps or None,
+        sample_budget=rec.sample_budget,
         samples_applied=sum(steps.values()), target_batch_size=rec.target_batch_size,
         samples_per_step_mean=round(sum(steps.values()) / len(steps), 1) if steps else None, steps_per_minute=round(60 * (len(set(steps)) - 1) / span, 2) if span else None,
         peers_started=len(rec.lives), faults=kinds, faults_skipped=sum(1 for f in rec.faults if "note" in f),

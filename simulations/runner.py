@@ -355,7 +355,9 @@ class Simulation:
         from .netns import Network
 
         tr = self.trace
-        self.rec.total_steps = int(tr.sets.get("total_steps", 0)) or _default_hparam(tr.task, "total_steps")
+        self.rec.sample_budget = sample_budget_of(tr.task, tr.sets)
+        if not self.rec.sample_budget:  # a sample budget's last step is the peers' to tell (checks.run_end)
+            self.rec.total_steps = int(tr.sets.get("total_steps", 0)) or _default_hparam(tr.task, "total_steps")
         self.rec.target_batch_size = int(tr.sets.get("target_batch_size", 0)) or _default_hparam(tr.task, "target_batch_size")
         try:
             if tr.links:
@@ -438,7 +440,7 @@ class Simulation:
                 self.holding = False
         elif kind == "step":
             self._check_live(t, key, event)
-            if event.get("step", 0) >= self.rec.total_steps and self.finished_at is None:
+            if self.rec.total_steps and event.get("step", 0) >= self.rec.total_steps and self.finished_at is None:
                 self.finished_at = self.now()
             if key.startswith(self._reporter()):
                 self.emit("progress", step=event.get("step"), loss=event.get("loss"), peers=event.get("peers"),
@@ -563,6 +565,21 @@ def _last_index(rows: list, kind: str) -> int:
         if rows[i]["kind"] == kind:
             return i
     return -1
+
+
+def sample_budget_of(task: str, sets) -> bool:
+    """Whether the trace's run ends on a sample budget (``total_samples`` or ``epochs``, set or the task's own)."""
+    from swarmrun.protocol.errors import TaskError
+    from swarmrun.protocol.spec import BUDGET_HPARAMS
+    from swarmrun.node import load_task_class
+
+    named = [k for k in BUDGET_HPARAMS if k in sets]
+    if named:
+        return named[0] != "total_steps"
+    try:
+        return any(k in load_task_class(task).hparam_defaults for k in BUDGET_HPARAMS[1:])
+    except TaskError as e:
+        raise UsageError(f"task {task!r}: {e}") from None
 
 
 def _default_hparam(task: str, key: str) -> int:

@@ -216,7 +216,7 @@ def train(task: type[Task], run_id: str, *, peers: Sequence[str] = (), create: b
     register_task(task)
     setup_logging(json_mode=json)
     swarm = SwarmConfig(state_dir=Path(state_dir or os.environ.get("SWARMRUN_STATE_DIR") or Path.home() / ".swarmrun"),
-                        initial_peers=parse_maddrs(peers, what="peers"),
+                        initial_peers=parse_maddrs(peers, what="peers", peer_ids=True),
                         **({"listen": parse_maddrs(listen, what="listen")} if listen else {}))
     opts = JoinOptions(run_id=run_id, task=task.name if create else None,
                        sets={k: str(v) for k, v in (sets or {}).items()}, seed=DEFAULT_SEED, swarm=swarm,

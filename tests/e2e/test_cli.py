@@ -31,6 +31,7 @@ def test_help_lists_exit_codes():
         (["join", "r1"], 2, "--task"),
         (["join", "bad/id", "--task", "synthetic"], 2, "run id"),
         (["join", "r1", "--peers", "not-a-multiaddr"], 2, "multiaddr"),
+        (["join", "r1", "--peers", "/ip4/127.0.0.1/tcp/31337"], 2, "no /p2p/ part"),  # was p2pd's own text, exit 1
         (["join", "r1", "--task", "synthetic", "--device", "cuda:7"], 2, "cuda"),
     ],
 )

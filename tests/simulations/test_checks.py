@@ -1,7 +1,7 @@
 """The invariant checks on hand-written records: each one fails on the violation it names, and only on it."""
 
 from simulations.checks import Life, Record, blocks_per_step, check_all, joiners_reach_current_step, \
-    no_committed_step_lost, state_hash_agrees, work_lost
+    no_committed_step_lost, run_end, state_hash_agrees, work_lost
 from simulations.netns import Link, nft_ruleset
 
 CUR = {"blocks_applied": 10, "blocks_pending": 0, "blocks_skipped": 0, "blocks_duplicated": 0, "data_epoch": 1}
@@ -112,6 +112,27 @@ def test_cursor_and_finish_and_cleanup_invariants():
     assert not check_all(rec, cleaned=True, loss_ok=None)[0]["run_finished"]
 
 
+def test_a_sample_budget_run_ends_where_its_peers_left_finished():
+    """Under total_samples or epochs the last step is not total_steps: the harness takes it from the peers'
+    ``left`` events (it once judged every run by total_steps alone)."""
+    rec = healthy()
+    rec.total_steps, rec.sample_budget = 0, True
+    assert run_end(rec) is None and not check_all(rec, cleaned=True, loss_ok=None)[0]["run_finished"]
+    left = {"event": "left", "reason": "finished", "step": 3, "state_hash": "c", "cursor": CUR}
+    rec.events += [(7.5, "peer0.0", left), (7.5, "peer1.0", left), (7.6, "peer2.0", left)]
+    assert run_end(rec) == (7.0, 3)
+    inv, problems = check_all(rec, cleaned=True, loss_ok=None)
+    assert all(inv.values()), problems
+    # a peer that stayed behind at step 2 until the runner stopped it fails the joiners' check, as under total_steps
+    rec.events = [e for e in rec.events if e[1] != "peer2.0" or e[2]["event"] == "bootstrapped"]
+    rec.lives["peer2.0"].ended_by = "cleanup"
+    assert not joiners_reach_current_step(rec)[0]
+    # a peer that left stopped (a pause, a signal) does not end the run
+    rec.events = [e for e in rec.events if e[2]["event"] != "left"]
+    rec.events.append((7.5, "peer0.0", {**left, "reason": "stopped"}))
+    assert run_end(rec) is None
+
+
 def test_work_lost_counts_kills_and_resyncs_and_prefers_a_reported_accumulator():
     rec = healthy()
     rec.lives["peer1.0"].end, rec.lives["peer1.0"].ended_by = 7.5, "kill"
@@ -139,3 +160,10 @@ def test_blocks_per_step_keeps_the_steps_whose_reports_agree():
     assert blocks_per_step(rec) == {1: [[0, 4], [9, 10]], 2: [[4, 9]]}  # step 3 reported none
     rec.events[3][2]["blocks"] = [[10, 12]]  # another history's step 2
     assert blocks_per_step(rec) == {1: [[0, 4], [9, 10]]}
+
+
+def test_the_runner_tells_a_sample_budget_from_the_trace_and_the_task():
+    from simulations.runner import sample_budget_of
+
+    assert not sample_budget_of("synthetic", {}) and not sample_budget_of("synthetic", {"total_steps": 8})
+    assert sample_budget_of("synthetic", {"epochs": 1}) and sample_budget_of("synthetic", {"total_samples": 640})

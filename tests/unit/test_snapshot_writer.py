@@ -53,6 +53,21 @@ async def test_elected_writer_writes_every_n_steps(tmp_path, others, stores, exp
         assert writer.store.read_record(5).history == (b"h",) and writer.store.read_record(5).writer == "QmB"
 
 
+@pytest.mark.parametrize("every, fields", [("1", {"every_steps": 1}), ("30s", {"every_s": 30.0})])
+async def test_a_fixed_policy_reports_its_cadence_and_one_write_at_a_time(tmp_path, every, fields):
+    """--snapshot-every 1 writes only some steps when the swarm steps faster than a write: the writer says so once,
+    in its snapshot_policy event (issue 19); a peer that is not the elected writer says nothing."""
+    for others, expected in (((), [dict(event="snapshot_policy", **fields, one_write_at_a_time=True)]),
+                             (("QmA",), [])):
+        trainer, signed = fake_trainer(others=others)
+        events = Recorder()
+        writer = SnapshotWriter(trainer, options=SnapshotOptions(store=str(tmp_path / every / str(len(others))),
+                                                                 every=every, keep=10),
+                                signed=signed, history=(b"h",), events=events)
+        await commit_steps(writer, trainer, range(1, 4))
+        assert [e for e in events.events if e["event"] == "snapshot_policy"] == expected
+
+
 async def test_auto_policy_reports_interval_and_expected_replay(tmp_path):
     trainer, signed = fake_trainer()
     events = Recorder()

@@ -50,7 +50,7 @@ def swarm_config(args) -> "SwarmConfig":
 
     peers = args.peers if args.peers is not None else os.environ.get("SWARMRUN_PEERS", "").split()
     state_dir = Path(args.state_dir or os.environ.get("SWARMRUN_STATE_DIR") or Path.home() / ".swarmrun").expanduser()
-    kwargs = dict(state_dir=state_dir, initial_peers=parse_maddrs(peers, what="--peers"))
+    kwargs = dict(state_dir=state_dir, initial_peers=parse_maddrs(peers, what="--peers", peer_ids=True))
     if getattr(args, "listen", None):
         kwargs["listen"] = parse_maddrs(args.listen, what="--listen")
     if getattr(args, "announce", None):

@@ -73,17 +73,39 @@ def start_peer(name: str, args: list[str], *, workdir: Path, sink: "queue.Queue"
     return peer
 
 
+def demo_length(args) -> tuple[list[str], str]:
+    """The run's length as ``--set`` pairs (``--steps``, ``--epochs`` or ``--total-samples``, or a budget the user
+    gave with ``--set``; 60 steps by default) and how the demo names it.
+
+    Raises:
+        UsageError: two lengths, or one that is not positive (``--steps`` below 3).
+    """
+    flags = {k: v for k, v in (("total_steps", args.steps), ("epochs", args.epochs),
+                               ("total_samples", args.total_samples)) if v is not None}
+    in_sets = {k for k in ("total_steps", "epochs", "total_samples") for s in args.sets if s.startswith(f"{k}=")}
+    if len(flags) + len(in_sets) > 1:
+        raise UsageError("give one run length: --steps, --epochs or --total-samples (or one --set of them)")
+    if in_sets:
+        return [], next(s for s in args.sets if s.split("=")[0] in in_sets)
+    key, value = next(iter(flags.items()), ("total_steps", 60))
+    if value < (3 if key == "total_steps" else 1):
+        raise UsageError("--steps must be at least 3" if key == "total_steps" else
+                         f"--{key.replace('_', '-')} must be positive")
+    unit = key.replace("total_", "")
+    return [f"{key}={value}"], f"{value} {unit[:-1] if value == 1 else unit}"
+
+
 def run_demo(args, events) -> int:
     if args.peers < 2:
         raise UsageError("--peers must be at least 2 (one of them is killed mid-way)")
-    if args.steps < 3:
-        raise UsageError("--steps must be at least 3")
+    length, length_text = demo_length(args)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="swarmrun-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"demo-{os.getpid()}"
-    sets = [f"total_steps={args.steps}", *args.sets]
-    if args.task == "char-lm" and not any(s.startswith("eval_every=") for s in args.sets):
-        sets.append(f"eval_every={max(1, args.steps // 6)}")
+    sets = [*length, *args.sets]
+    steps = int(length[0].split("=")[1]) if length and length[0].startswith("total_steps=") else None
+    if args.task == "char-lm" and steps and not any(s.startswith("eval_every=") for s in args.sets):
+        sets.append(f"eval_every={max(1, steps // 6)}")
     peers: list[PeerProcess] = []
     sink: queue.Queue = queue.Queue()
     summary = dict(run_id=run_id, task=args.task, peers=args.peers, peers_killed=0, peers_joined=0)
@@ -99,7 +121,7 @@ def run_demo(args, events) -> int:
                              workdir=workdir, sink=sink)
         peers.append(creator)
         maddr = _wait_listening(creator, sink, timeout=120)
-        events.emit("demo", message=f"peer0 created run {run_id} ({args.task}, {args.steps} steps); {args.peers - 1} more joining",
+        events.emit("demo", message=f"peer0 created run {run_id} ({args.task}, {length_text}); {args.peers - 1} more joining",
                     maddr=maddr)
         for i in range(1, args.peers):
             peers.append(start_peer(f"peer{i}", [run_id, "--peers", maddr, "--state-dir", str(workdir / f"peer{i}"), *common],
@@ -137,13 +159,13 @@ def _wait_listening(peer: PeerProcess, sink: queue.Queue, timeout: float) -> str
 
 
 def _drive(args, events, peers, sink, maddr, workdir, common, summary, run_id) -> dict:
-    kill_at = max(1, args.steps // 3)
+    kill_at = None  # a third of the run: of total_steps, or of the planned steps of a sample budget (step events)
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
     final_step = 0
     done = set()
     killed = False
-    deadline = time.monotonic() + max(600, args.steps * 20)
+    deadline = time.monotonic() + 600  # and 20 s a step once the first step event tells the run's (planned) steps
     while time.monotonic() < deadline and len(done) < len(peers):
         try:
             name, event = sink.get(timeout=1)
@@ -164,6 +186,9 @@ def _drive(args, events, peers, sink, maddr, workdir, common, summary, run_id) -
                 events.emit("progress", **{k: event.get(k) for k in ("step", "total_steps", "loss", "samples_per_second", "peers", "eta_s")})
         if kind == "error":
             events.emit("demo", message=f"{name} reported an error: {event.get('message')}")
+        if kind == "step" and kill_at is None:
+            kill_at = max(1, int(event.get("total_steps") or 3) // 3)
+            deadline = max(deadline, time.monotonic() + 20 * int(event.get("total_steps") or 0))
         if kind == "step" and not killed and event["step"] >= kill_at:
             victim = peers[-1]
             victim.kill_group(signal.SIGKILL)
@@ -202,7 +227,11 @@ def add_parser(sub) -> None:
     d = sub.add_parser("demo", help="a local swarm on loopback: trains, kills a peer, a fresh one joins",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--peers", type=int, default=3, help="number of peers (default 3)")
-    d.add_argument("--steps", type=int, default=60, help="total steps of the run (default 60)")
+    d.add_argument("--steps", type=int, default=None, help="total steps of the run (default 60)")
+    d.add_argument("--epochs", type=int, default=None, metavar="N",
+                   help="the run's length in whole passes over the task's dataset instead of --steps")
+    d.add_argument("--total-samples", type=int, default=None, metavar="N",
+                   help="the run's length in samples instead of --steps")
     d.add_argument("--task", default="char-lm", help="task of the run (default char-lm)")
     d.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     d.add_argument("--workdir", default=None, help="where peers keep state dirs and logs (default: a temp dir)")

@@ -44,18 +44,22 @@ class SwarmConfig:
     bootstrap_timeout: float = 15.0  # seconds to reach the initial peers
 
 
-def parse_maddrs(values: Sequence[str], *, what: str) -> tuple[str, ...]:
-    """Validate multiaddrs given by a user.
+def parse_maddrs(values: Sequence[str], *, what: str, peer_ids: bool = False) -> tuple[str, ...]:
+    """Validate multiaddrs given by a user; ``peer_ids``: each must name its peer (``/p2p/ID``), as the peers
+    to dial must (p2pd refuses one without, with its own "Daemon failed to start: invalid p2p multiaddr").
 
     Raises:
-        UsageError: one of them is not a multiaddr.
+        UsageError: one of them is not a multiaddr, or (``peer_ids``) names no peer.
     """
+    example = "expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/QmXyz... (what the peer printed as it started)"
     out = []
     for value in values:
         try:
-            Multiaddr(value)
+            maddr = Multiaddr(value)
         except Exception as e:  # multiaddr raises several unrelated types
-            raise UsageError(f"{what}: {value!r} is not a multiaddr ({e}); expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/QmXyz... (what the peer printed as it started)") from None
+            raise UsageError(f"{what}: {value!r} is not a multiaddr ({e}); {example}") from None
+        if peer_ids and "p2p" not in [p.name for p in maddr.protocols()]:
+            raise UsageError(f"{what}: {value!r} names no peer (no /p2p/ part); {example}")
         out.append(value)
     return tuple(out)
 

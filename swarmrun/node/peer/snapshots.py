@@ -172,6 +172,7 @@ class SnapshotWriter:
         self._last_commit: Optional[float] = None
         self._inflight: Optional[asyncio.Task] = None
         self._reported_interval: Optional[float] = None
+        self._reported_fixed = False
         if existing:
             logger.info(f"snapshot store {options.store} holds steps {existing}")
 
@@ -188,18 +189,33 @@ class SnapshotWriter:
         d = decide_snapshot(now, step=frozen.step, last_step=self.last_step, last_time=self.last_time,
                             policy=self.policy, cost_s=self.cost_s, failures=self.failures.failures,
                             observed_s=self.failures.observed_s(now), elected=elected)
-        if d.interval_s is not None and (self._reported_interval is None
-                                         or abs(d.interval_s - self._reported_interval) > 0.2 * self._reported_interval):
-            self._reported_interval = d.interval_s
-            steps = f" (~{d.replay_s / self.step_s:.1f} steps)" if self.step_s else ""
-            logger.info(f"snapshot policy {d.reason}; expected replayed work after a failure "
-                        f"~{d.replay_s:.1f}s{steps}")
-            self.events.emit("snapshot_policy", interval_s=round(d.interval_s, 3), cost_s=self.cost_s,
-                             failures=self.failures.failures, expected_replay_s=round(d.replay_s, 3),
-                             expected_replay_steps=round(d.replay_s / self.step_s, 2) if self.step_s else None,
-                             one_write_at_a_time=True)  # a step that commits during a write is not written
+        self._report_policy(d, elected)
         if d.write and (self._inflight is None or self._inflight.done()):
             self._inflight = asyncio.ensure_future(self._write(frozen, d.reason))
+
+    def _report_policy(self, d, elected: bool) -> None:
+        """The ``snapshot_policy`` event, all of them with ``one_write_at_a_time``: a step that commits while a write
+        is in flight is not written (the next decision writes the newest step; ``--snapshot-every 1`` on a swarm that
+        steps faster than a write writes some steps only). The auto policy's interval and expected replay, whenever
+        the interval moves by more than 20%; a fixed policy's cadence (``every_steps`` or ``every_s``) once, when
+        this peer is first elected."""
+        fixed = dict(every_steps=self.policy.every_steps, every_s=self.policy.every_seconds)
+        if d.interval_s is None:
+            if elected and not self._reported_fixed and (self.policy.every_steps or self.policy.every_seconds):
+                self._reported_fixed = True
+                self.events.emit("snapshot_policy", **{k: v for k, v in fixed.items() if v is not None},
+                                 one_write_at_a_time=True)
+            return
+        last = self._reported_interval
+        if last is not None and abs(d.interval_s - last) <= 0.2 * last:
+            return
+        self._reported_interval = d.interval_s
+        steps = f" (~{d.replay_s / self.step_s:.1f} steps)" if self.step_s else ""
+        logger.info(f"snapshot policy {d.reason}; expected replayed work after a failure ~{d.replay_s:.1f}s{steps}")
+        self.events.emit("snapshot_policy", interval_s=round(d.interval_s, 3), cost_s=self.cost_s,
+                         failures=self.failures.failures, expected_replay_s=round(d.replay_s, 3),
+                         expected_replay_steps=round(d.replay_s / self.step_s, 2) if self.step_s else None,
+                         one_write_at_a_time=True)
 
     async def _write(self, frozen: FrozenState, reason: str, store: Optional[SnapshotStore] = None) -> Optional[WriteResult]:
         store = store or self.store
