@@ -49,7 +49,8 @@ def test_a_state_replaced_faster_than_it_is_fetched_is_exit_3_with_what_happened
     with pytest.raises(CatchUpFailed) as caught:
         asyncio.run(up.catch_up(deadline=time.monotonic() + 0.3))
     assert caught.value.exit_code == 3
-    assert "could not catch up with the swarm" in str(caught.value) and "no provider sent the manifest" in str(caught.value)
+    message = str(caught.value)
+    assert "could not catch up with the swarm" in message and "no provider sent the manifest" in message
 
 
 def test_a_state_that_does_not_verify_is_exit_5(monkeypatch):
