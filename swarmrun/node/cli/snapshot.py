@@ -310,10 +310,9 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
         published = 0.0
         while time.monotonic() < deadline:
             if time.monotonic() - published > 30:
-                # under the owner's signed subkey: no one else can write it, nor hide it with a value of its own
-                stored = await await_future(dht.store(pause_key(run_id), record.encode(),
-                                                      subkey=owner_subkey(spec.owner_key),
-                                                      expiration_time=get_dht_time() + 120, return_future=True))
+                stored = await await_future(dht.store(  # the owner's signed subkey: no one else writes or hides it
+                    pause_key(run_id), record.encode(), subkey=owner_subkey(spec.owner_key),
+                    expiration_time=get_dht_time() + 120, return_future=True))
                 published = time.monotonic() if stored else 0.0  # not accepted: publish it again next turn
             live = {p for p, r in (await read_view(dht, run_id, gate)).trainers.items() if not r.finished}
             # only the trainers' own signed notes count: a stranger's "left, written to STORE@..." is ignored
