@@ -116,3 +116,33 @@ def test_a_strangers_far_plain_values_do_not_replace_the_runs_spec_and_providers
     assert not alive, f"p2pd left running: {[p.pid for p in alive]}"
     assert not {p.pid for p in ours} & _pgrep_p2pd()
     print(f"p2pd before: {sorted(before)}, after: {sorted(_pgrep_p2pd())}")
+
+
+@pytest.mark.timeout(180)
+def test_a_strangers_far_plain_value_under_any_key_of_the_run_reaches_no_reader(tmp_path):
+    """The same attack on every key of the schema table (progress, revocations, pause, pause notes, votes,
+    history, matchmaking...): a reader whose DHT runs the validator never gets the stranger's plain value, on the
+    store path (the victim) nor on the find path (a joiner started afterwards)."""
+    from swarmrun.protocol.records import RUN_KEYS
+
+    keys = [schema.keys(RUN)[0] for schema in RUN_KEYS.values()]
+    dhts: list[DHT] = []
+    try:
+        victim, _ = start_dht(SwarmConfig(state_dir=tmp_path / "victim", listen=tuple(LOOPBACK)), run_ids=(RUN,))
+        dhts.append(victim)
+        maddrs = tuple(str(m) for m in victim.get_visible_maddrs())
+        attacker = DHT(start=True, host_maddrs=LOOPBACK, initial_peers=list(maddrs))  # own identity, no validator
+        dhts.append(attacker)
+        for k in keys:
+            attacker.store(k, PLANTED, expiration_time=get_dht_time() + TEN_YEARS)
+            assert attacker.get(k, latest=True).value == PLANTED
+        reader, _ = start_dht(SwarmConfig(state_dir=tmp_path / "reader", initial_peers=maddrs,
+                                          listen=tuple(LOOPBACK)), run_ids=[RUN])
+        dhts.append(reader)
+        for dht in (victim, reader):
+            for k in keys:
+                found = dht.get(k, latest=True)
+                assert found is None or found.value != PLANTED, f"{k}: the stranger's plain value was read"
+    finally:
+        for dht in dhts:
+            dht.shutdown()

@@ -99,9 +99,19 @@ def test_a_plain_value_where_the_schema_says_subkeys_is_refused(kind):
         in (Reject.PLAIN_VALUE, Reject.EXPIRATION)
 
 
-@pytest.mark.parametrize("kind", PLAIN)
-def test_a_subkey_where_the_schema_says_plain_is_refused(kind):
-    assert reason(check(kind, sk=signed_subkey())) is Reject.UNEXPECTED_SUBKEY
+def test_every_key_of_a_run_has_subkeys():
+    """No plain value under a run's key (issue 14): hivemind lets a plain value with a later expiration replace the
+    stored one, and a hostile node can answer a find for it with an empty dictionary; subkeys merge instead. The
+    owner's records (revocations, pause) are under the owner's signed subkey."""
+    assert not PLAIN
+    assert {k for k in KINDS if RUN_KEYS[k].subkey is SubkeyKind.OWNER} == {"revoked", "pause"}
+
+
+def test_a_subkey_where_the_schema_says_plain_is_refused():
+    schema = dataclasses.replace(RUN_KEYS["pause"], subkey=SubkeyKind.NONE)  # the rule, though no key is plain now
+    assert check_record(schema, PLAIN_SUBKEY, value("pause"), NOW + 10, NOW, run_id=RUN) is None
+    assert reason(check_record(schema, signed_subkey(), value("pause"), NOW + 10, NOW, run_id=RUN)) \
+        is Reject.UNEXPECTED_SUBKEY
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if RUN_KEYS[k].subkey is SubkeyKind.SIGNED])

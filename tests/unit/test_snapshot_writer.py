@@ -139,3 +139,34 @@ async def test_a_peer_with_a_store_writes_as_it_leaves(tmp_path, other_has_store
     side = SnapshotSide(trainer=trainer, signed=signed, history=(b"h",), events=events, writer=writer)
     await side.close("stopped")
     assert writer.store.steps() == ([7] if writes else [])
+
+
+def test_the_longest_published_history_that_verifies_is_taken(tmp_path):
+    """Each peer republishes the run's amendment history under its signed subkey (issue 14); a reader takes the
+    longest one that verifies against the spec, skips one that does not, and fails only when none does."""
+    import dataclasses
+
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from swarmrun.node.net.swarm import ensure_identity, public_key_bytes
+    from swarmrun.node.peer.snapshots import choose_history
+    from swarmrun.protocol.errors import IncompatibleState
+    from swarmrun.protocol.snapshot import Amendment
+    from swarmrun.protocol.spec import amend
+
+    owner, intruder = ensure_identity(tmp_path / "owner")[1], ensure_identity(tmp_path / "intruder")[1]
+    spec0, _ = make_spec(run_id="h", task_cls=SyntheticTask, sets={}, seed=3, owner_key=public_key_bytes(owner))
+    spec1 = amend(spec0, lr=0.5)
+    spec2 = amend(spec1, lr=0.25)
+
+    def link(key, a, b, step):
+        x = Amendment(step=step, from_spec=a.spec_hash(), to_spec=b.spec_hash(), changes={"lr": b.hparams["lr"]},
+                      time=get_dht_time())
+        return dataclasses.replace(x, signature=bytes(key.sign(x.unsigned_bytes()))).encode()
+
+    good = (link(owner, spec0, spec1, 2), link(owner, spec1, spec2, 5))
+    forged = (link(intruder, spec0, spec1, 2), link(intruder, spec1, spec2, 5), link(intruder, spec2, spec2, 9))
+    assert choose_history([good[:1], forged, good], spec2) == good  # the stranger's longer one does not verify
+    assert choose_history([], spec2) == ()
+    with pytest.raises(IncompatibleState):
+        choose_history([forged, good[:1]], spec2)  # good[:1] ends at spec1, not at the run's spec

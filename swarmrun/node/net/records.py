@@ -179,19 +179,20 @@ HISTORY_TTL = 120.0
 NOTE_TTL = 300.0
 
 
-async def read_history(dht, key: str):
-    from swarmrun.node.runtime import await_future
+async def read_history(dht, key: str) -> list[tuple[bytes, ...]]:
+    """The amendment histories the run's peers publish, each under its own signed subkey (a malformed one, or one
+    under a subkey that is not its peer's, is ignored); the reader verifies them against the spec."""
 
-    found = await await_future(dht.get(key, latest=True, return_future=True))
-    if found is None:
-        return None
-    value = unpack(found.value, max_size=1 << 20)
-    if not isinstance(value, list) or not all(isinstance(v, bytes) for v in value):
-        raise ValueError("malformed history record")
-    return tuple(value)
+    def decode(data) -> tuple[bytes, ...]:
+        value = unpack(data, max_size=1 << 20)
+        if not isinstance(value, list) or not all(isinstance(v, bytes) for v in value):
+            raise TypeError("malformed history record")
+        return tuple(value)
+
+    return list((await read_subkeys(dht, key, decode, signed=True)).values())
 
 
-async def store_record(dht, key: str, value: bytes, ttl: float, subkey: Optional[str] = None) -> None:
+async def store_record(dht, key: str, value: bytes, ttl: float, subkey: Optional[bytes] = None) -> None:
     from swarmrun.node.runtime import await_future
 
     await await_future(dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True))

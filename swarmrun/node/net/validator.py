@@ -10,7 +10,9 @@ Where hivemind gives a validator no say, so this one cannot help (see issue 14):
 *dictionary* is validated entry by entry, but an empty one, or the dictionary's own expiration, is never shown to
 a validator; a hostile DHT node can answer a find for a plain-value key (the spec, the pause) with an empty
 dictionary and a far expiration and so hide the value from that reader. Keys with subkeys are not exposed to
-this (dictionaries merge); the spec and the pause are to move under signed subkeys.
+this (dictionaries merge), and every key of a run has subkeys: the spec, the progress reports, the providers, the
+votes, the pause notes and the amendment history under each writer's signed subkey, the revocations and the pause
+under the owner's.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Optional, Sequence
 
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -42,7 +42,7 @@ from swarmrun.node.state.run import FrozenState, RunState
 from swarmrun.node.net.swarm import public_key_bytes, verify_signature
 from swarmrun.node.net.records import HISTORY_TTL
 from swarmrun.node.net.records import NOTE_TTL
-from swarmrun.node.net.records import read_history
+from swarmrun.node.net.records import owner_subkey, read_history
 from swarmrun.node.net.records import store_record
 
 logger = logging.getLogger("swarmrun.snapshot")
@@ -96,6 +96,24 @@ def verified_history(history, spec: Spec) -> tuple[bytes, ...]:
     if last is not None and last != spec.spec_hash():
         raise IncompatibleState("the run's amendment history does not end at its spec")
     return tuple(history)
+
+
+def choose_history(found: Sequence[tuple[bytes, ...]], spec: Spec) -> tuple[bytes, ...]:
+    """The amendment history of ``spec`` among those the run's peers publish (each under its signed subkey): the
+    longest that verifies (``verified_history``); one that does not is skipped. () when none does.
+
+    Raises:
+        IncompatibleState: histories were published and none verifies.
+    """
+    errors = []
+    for history in sorted(found, key=len, reverse=True):
+        try:
+            return verified_history(history, spec)
+        except IncompatibleState as e:
+            errors.append(str(e))
+    if errors:
+        raise IncompatibleState(f"no published amendment history verifies: {errors[0]}")
+    return ()
 
 
 def plan_resume(ref: str, *, run_id: str, sets: dict, key) -> ResumePlan:
@@ -242,8 +260,7 @@ class SnapshotWriter:
             return self.history
         try:  # a peer that joined an amended run learns its history from the peers that resumed it
             found = await asyncio.wait_for(read_history(self.trainer.dht, history_key(self.signed.spec.run_id)), 5.0)
-            if found:
-                self.history = verified_history(found, self.signed.spec)
+            self.history = choose_history(found, self.signed.spec)
         except (asyncio.TimeoutError, SwarmrunError, ValueError) as e:
             logger.warning(f"snapshot without the amendment history: {e}")
         return self.history
@@ -300,7 +317,7 @@ class SnapshotSide:
         while True:
             try:
                 await store_record(self.trainer.dht, history_key(self.signed.spec.run_id), pack(list(self.history)),
-                             HISTORY_TTL)
+                                   HISTORY_TTL, subkey=self.subkey)  # its own signed subkey: no one can replace it
             except Exception as e:
                 logger.debug(f"could not publish the amendment history: {e!r}")
             await asyncio.sleep(HISTORY_TTL / 4)
@@ -331,9 +348,12 @@ class SnapshotSide:
 
         try:
             found = await await_future(self.trainer.dht.get(key, latest=True, return_future=True))
-            if found is None:
+            # only the owner's signed subkey: a record anyone else wrote is not the owner's, whatever it says
+            item = found.value.get(owner_subkey(self.trainer.spec.owner_key)) \
+                if found is not None and isinstance(found.value, dict) else None
+            if item is None:
                 return None
-            record = PauseRecord.decode(found.value)
+            record = PauseRecord.decode(item.value)
         except ProtocolError as e:
             logger.warning(f"malformed pause record: {e}")
             return None
