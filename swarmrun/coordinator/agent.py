@@ -233,6 +233,9 @@ class Agent:
             self.events.emit("peer_listening", run_id=peer.run_id, maddr=peer.maddr)
         elif kind == "step":
             fields = {k: event.get(k) for k in ("step", "loss", "samples_per_second", "peers")}
+            # the run's samples so far (its cursor's count): the dashboard plots loss against samples
+            cursor = event.get("cursor")
+            fields["samples"] = cursor.get("samples_applied") if isinstance(cursor, dict) else None
             self.events.emit("peer_step", run_id=peer.run_id, **fields)
             peer.pending = {k: v for k, v in fields.items() if v is not None}
             await self._flush(peer)

@@ -289,3 +289,28 @@ def test_pool_commands_exit_codes(tmp_path):
     assert unreachable.returncode == 3 and json.loads(unreachable.stdout.splitlines()[-1])["event"] == "error"
     assert _node("coordinator", "user", "add", "bad name!", "--state-dir", str(tmp_path)).returncode == 2
     assert _node("agent", "--stop-timeout", "40", "--coordinator", "x", "--token", "t").returncode == 2
+
+
+async def test_a_peer_step_is_reported_with_the_runs_samples_so_far(tmp_path):
+    """The dashboard plots loss against samples: the agent reports the cursor's count of samples applied."""
+    from swarmrun.coordinator.agent import _Peer
+
+    class _Up:
+        def __init__(self):
+            self.posts = []
+
+        def post(self, path, body=None):
+            self.posts.append((path, body))
+            return {}
+
+    agent = _agent(tmp_path)
+    agent.client = _Up()
+    peer = _Peer(run_id="r", proc=None, started=0.0)
+    step = {"event": "step", "step": 4, "loss": 0.25, "samples_per_second": 80.0, "peers": 2,
+            "cursor": {"samples_applied": 1024, "blocks_applied": 16}}
+    await agent._on_peer_line(peer, json.dumps(step).encode())
+    assert agent.client.posts == [("runs/r/progress", {"step": 4, "loss": 0.25, "samples_per_second": 80.0, "peers": 2,
+                                                       "samples": 1024})]
+    await agent._on_peer_line(peer, json.dumps({"event": "step", "step": 5}).encode())  # no cursor: no samples
+    await agent._flush(peer, now=True)
+    assert agent.client.posts[-1] == ("runs/r/progress", {"step": 5})
