@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmrun.protocol.errors import UsageError
+from swarmrun.protocol.spec import RUN_ID
 
 __all__ = [
     "PRIORITY_NAMES",
@@ -34,8 +35,8 @@ __all__ = [
     "parse_patch",
 ]
 
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-"""Run ids, user names and worker ids: safe in a URL path, a file name and a DHT key."""
+RUN_ID_RE = RUN_ID
+"""Run ids, user names and worker ids: safe in a URL path, a file name and a DHT key (the one run-id pattern)."""
 _TASK_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _DEVICE_RE = re.compile(r"^[a-z0-9_]{1,32}$")
 PRIORITY_NAMES = {"low": 0, "normal": 1, "high": 2}
@@ -148,7 +149,7 @@ def _optional(body: dict, key: str, parse, *args):
 
 
 def _string(value: Any, name: str, pattern: re.Pattern) -> str:
-    if not isinstance(value, str) or not pattern.match(value):
+    if not isinstance(value, str) or not pattern.fullmatch(value):
         raise UsageError(f"{name} must match {pattern.pattern}")
     return value
 

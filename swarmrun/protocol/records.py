@@ -30,7 +30,7 @@ from .codec import unpack
 from .errors import Reject, Rejection, RemoteProtocolError, SwarmrunError
 from .round import MAX_REPORT_BYTES, VOTE_SLOTS, ProgressReport, Vote, progress_key, spec_key, vote_key
 from .snapshot import MAX_HISTORY, Amendment, PauseNote, PauseRecord, history_key, pause_key, paused_key
-from .spec import MAX_SPEC_SIZE, SignedSpec
+from .spec import MAX_SPEC_SIZE, RUN_ID, SignedSpec
 from .transfer import MAX_RECORD_BYTES, ProviderRecord, providers_key
 
 __all__ = [
@@ -49,8 +49,7 @@ PLAIN_SUBKEY = b"\xc0"
 #: apart by admission, which checks the step)
 GROUP_BITS = 8
 _MSGPACK_BIN_HEADER = 5  # a value is its message wrapped as msgpack bin: at most 5 bytes more
-_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_KEY_RUN = re.compile(r"swarmrun[._]([A-Za-z0-9_-]{1,64})\.")
+_KEY_RUN = re.compile(rf"swarmrun[._]({RUN_ID.pattern})\.")
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58
 
 
@@ -173,7 +172,7 @@ def run_keys(run_id: str) -> Mapping[str, RecordSchema]:
     Raises:
         ValueError: ``run_id`` is not a run id.
     """
-    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
         raise ValueError(f"{run_id!r} is not a run id")
     return {key: schema for schema in _SCHEMAS for key in schema.keys(run_id)}
 
