@@ -105,13 +105,21 @@ def test_no_import_circle():
 
 
 def test_outside_code_uses_only_the_public_surface_of_node():
-    """simulations/ and benchmarks/ import from ``swarmrun.node`` itself, never from its modules."""
+    """simulations/, benchmarks/ and the coordinator import only ``swarmrun.node``'s exports, never its modules
+    (``from swarmrun.node import cli`` would import a module too, so each name must be an export)."""
+    from swarmrun.node import __all__ as exports
+
     bad = []
-    for folder in ("simulations", "benchmarks"):
-        for path in (ROOT / folder).rglob("*.py"):
+    for folder in (ROOT / "simulations", ROOT / "benchmarks", PACKAGE / "coordinator"):
+        for path in folder.rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
+                where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("swarmrun.node."):
-                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}")
+                    bad.append(f"{where} imports {node.module}")
+                elif isinstance(node, ast.ImportFrom) and node.module == "swarmrun.node":
+                    bad += [f"{where} imports {a.name}, not an export" for a in node.names if a.name not in exports]
+                elif isinstance(node, ast.Import):
+                    bad += [f"{where} imports {a.name}" for a in node.names if a.name.startswith("swarmrun.node")]
     assert not bad, "\n".join(bad)
 
 
