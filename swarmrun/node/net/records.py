@@ -75,6 +75,8 @@ async def read_providers(dht: DHT, run_id: str, gate=None) -> dict[str, Provider
 
 
 SPEC_TTL = 120.0
+OWNER_STARTUP_TIMEOUT = 15.0  # an owner command's DHT node reaching the given peers
+OWNER_SPEC_TIMEOUT = 8.0  # an owner command's read of the run's spec
 
 
 def anchor_ids(initial_peers: Sequence[str]) -> tuple[str, ...]:
@@ -134,13 +136,13 @@ async def owner_session(run_id: str, initial_peers: Sequence[str], key: RSAPriva
     """
     try:
         dht = await asyncio.to_thread(DHT, initial_peers=list(initial_peers), start=True, client_mode=False,
-                                      host_maddrs=list(listen), startup_timeout=15.0,
+                                      host_maddrs=list(listen), startup_timeout=OWNER_STARTUP_TIMEOUT,
                                       record_validators=run_validators(key, [run_id]))
     except Exception as e:
         logger.debug(f"bootstrap failed: {e!r}")
         raise RunNotFound(unreachable(initial_peers)) from None
     try:
-        signed = await fetch_spec(dht, run_id, timeout=8.0, anchors=anchor_ids(initial_peers))
+        signed = await fetch_spec(dht, run_id, timeout=OWNER_SPEC_TIMEOUT, anchors=anchor_ids(initial_peers))
         if signed is None:
             raise RunNotFound(f"run {run_id!r} was not found at the given peers")
         if signed.spec.owner_key != public_key_bytes(key):

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from swarmrun.node.peer.snapshots import ResumePlan, SnapshotOptions
 
 logger = logging.getLogger("swarmrun.join")
+EXISTS_TIMEOUT = 2.0  # a new or resumed run's look for a live run of the same id at the given peers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,7 +193,7 @@ async def _resolve_spec(opts: JoinOptions, dht: DHT, key, plan: Optional["Resume
         UsageError: a new or resumed run that is live at the given peers. RunNotFound: no such run there.
     """
     if opts.task is not None or plan is not None:
-        if opts.swarm.initial_peers and await fetch_spec(dht, opts.run_id, timeout=2.0,
+        if opts.swarm.initial_peers and await fetch_spec(dht, opts.run_id, timeout=EXISTS_TIMEOUT,
                                                          anchors=anchor_ids(opts.swarm.initial_peers)) is not None:
             if opts.task is not None:
                 raise UsageError(f"run {opts.run_id!r} already exists at the given peers: join it without --task")
@@ -253,6 +254,7 @@ async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) 
 
 LEAVE_GRACE = 30.0  # seconds a peer asked to leave may take before it is made to
 LEAVE_SLOW = 10.0  # a leave still going after this long writes every thread's stack to stderr (where it hangs)
+KILL_TIMEOUT = 2.0  # a forced leave SIGKILLs its children this long after their SIGTERM
 
 
 class LeaveSignals:
@@ -308,6 +310,6 @@ def _watchdog() -> None:
 def _leave_now(why: str) -> None:
     logger.warning(f"leaving at once after {why}")
     try:
-        kill_descendants(timeout=2.0)
+        kill_descendants(timeout=KILL_TIMEOUT)
     finally:
         os._exit(0)

@@ -30,6 +30,7 @@ from swarmrun.protocol.spec import Spec
 VOTE_TTL = 120.0  # seconds a vote stays in the DHT (a round's members read it within vote_timeout)
 VOTE_POLL = 0.05
 MOVED_ON_POLL = 0.25  # seconds between two looks at the swarm while this peer's group forms
+AVERAGER_SHUTDOWN_TIMEOUT = 3.0  # hivemind's averager process, at the peer's leave
 
 
 class SwarmMovedOn(Exception):
@@ -68,7 +69,7 @@ def make_averager(params: Sequence[torch.Tensor], dht: DHT, *, spec: Spec, gate,
         auxiliary=config.role == Role.KEEPER,
         compression=make_codec(spec.compression),
         allow_state_sharing=False,  # state travels through swarmrun's own transfer (net/serve.py, net/fetch.py)
-        shutdown_timeout=3.0,
+        shutdown_timeout=AVERAGER_SHUTDOWN_TIMEOUT,
     )
 
 

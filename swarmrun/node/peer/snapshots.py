@@ -40,13 +40,11 @@ from swarmrun.protocol.spec import SignedSpec, Spec, amend
 from swarmrun.node.state.store import Snapshot, SnapshotStore, WriteResult, open_ref
 from swarmrun.node.state.run import FrozenState, RunState
 from swarmrun.node.net.swarm import public_key_bytes, verify_signature
-from swarmrun.node.net.records import HISTORY_TTL
-from swarmrun.node.net.records import NOTE_TTL
-from swarmrun.node.net.records import owner_subkey, read_history
-from swarmrun.node.net.records import store_record
+from swarmrun.node.net.records import HISTORY_TTL, NOTE_TTL, owner_subkey, read_history, store_record
 
 logger = logging.getLogger("swarmrun.snapshot")
 PAUSE_TAKEOVER = 30.0  # seconds a paused peer waits for each writer ahead of it before it writes the snapshot itself
+HISTORY_TIMEOUT = 5.0  # a joined peer's read of an amended run's history, before it writes a snapshot
 FRESH_VIEW_TIMEOUT = 3.0  # a leaving peer's last read of the run's reports (its DHT may be leaving too)
 PAUSE_GIVE_UP = 600.0  # a paused peer whose every write failed leaves after this long without any snapshot
 
@@ -259,7 +257,8 @@ class SnapshotWriter:
         if self.history:
             return self.history
         try:  # a peer that joined an amended run learns its history from the peers that resumed it
-            found = await asyncio.wait_for(read_history(self.trainer.dht, history_key(self.signed.spec.run_id)), 5.0)
+            found = await asyncio.wait_for(read_history(self.trainer.dht, history_key(self.signed.spec.run_id)),
+                                           HISTORY_TIMEOUT)
             self.history = choose_history(found, self.signed.spec)
         except (asyncio.TimeoutError, SwarmrunError, ValueError) as e:
             logger.warning(f"snapshot without the amendment history: {e}")
