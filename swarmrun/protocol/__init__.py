@@ -1,6 +1,7 @@
 """swarmrun's sans-IO protocol: messages, state format, data cursor and errors.
 
-Imports only the stdlib and msgpack: no sockets, no asyncio, no torch.
+Imports only the stdlib, msgpack, blake3 (chunk hashes) and numpy (the step plan's block masks): no sockets, no
+asyncio, no torch.
 
 Glossary (shared/DESIGN.md; the code uses these words and no synonyms):
 
