@@ -119,13 +119,18 @@ def _plots(out: Path, rec: Record, loss: dict, baseline: Optional[dict]) -> list
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return [_save(_plot_loss(plt, rec, loss, baseline), out, "loss_vs_samples.png"),
+            _save(_plot_peers(plt, rec), out, "peers_over_time.png"),
+            _save(_plot_step_rate(plt, rec), out, "step_rate.png"),
+            _save(_plot_bootstrap(plt, rec), out, "bootstrap_times.png")]
+
+
+def _plot_loss(plt, rec: Record, loss: dict, baseline: Optional[dict]):
     steps = samples_per_step(rec)
     cum, total = {}, 0
     for s in sorted(steps):
         total += steps[s]
         cum[s] = total
-    written = []
-
     fig, ax = plt.subplots(figsize=(7, 4))
     sw = loss.get("swarm_eval", {})
     xs = [cum.get(s) for s in sorted(sw)]
@@ -142,8 +147,10 @@ def _plots(out: Path, rec: Record, loss: dict, baseline: Optional[dict]) -> list
     ax.set_yscale("log")
     ax.set_title("loss vs samples")
     ax.legend()
-    written.append(_save(fig, out, "loss_vs_samples.png"))
+    return fig
 
+
+def _plot_peers(plt, rec: Record):
     fig, ax = plt.subplots(figsize=(7, 4))
     times = sorted({0.0, rec.end, *(life.start for life in rec.lives.values()),
                     *(life.end for life in rec.lives.values() if life.end is not None)})
@@ -158,8 +165,10 @@ def _plots(out: Path, rec: Record, loss: dict, baseline: Optional[dict]) -> list
     ax.set_xlabel("seconds")
     ax.set_ylabel("peers")
     ax.set_title("peers over time (faults marked)")
-    written.append(_save(fig, out, "peers_over_time.png"))
+    return fig
 
+
+def _plot_step_rate(plt, rec: Record):
     fig, ax = plt.subplots(figsize=(7, 4))
     first = {}
     for t, _, e in rec.of("step"):
@@ -179,8 +188,10 @@ def _plots(out: Path, rec: Record, loss: dict, baseline: Optional[dict]) -> list
     ax.set_xlabel("seconds")
     ax.set_ylabel("steps committed")
     ax.set_title("step rate")
-    written.append(_save(fig, out, "step_rate.png"))
+    return fig
 
+
+def _plot_bootstrap(plt, rec: Record):
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = [(k, e.get("seconds")) for _, k, e in rec.of("bootstrapped") if e.get("seconds") is not None]
     rows += [(f"{k} (resync)", e.get("seconds")) for _, k, e in rec.of("resync") if e.get("seconds") is not None]
@@ -190,8 +201,7 @@ def _plots(out: Path, rec: Record, loss: dict, baseline: Optional[dict]) -> list
         ax.text(0.5, 0.5, "no bootstrap or re-sync in this run", ha="center", transform=ax.transAxes)
     ax.set_xlabel("seconds")
     ax.set_title("bootstrap and re-sync times")
-    written.append(_save(fig, out, "bootstrap_times.png"))
-    return written
+    return fig
 
 
 def _save(fig, out: Path, name: str) -> str:
