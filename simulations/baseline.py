@@ -29,6 +29,33 @@ def _blocks(seed: int, n_blocks: int) -> Iterator[int]:
         epoch += 1
 
 
+def _step(state, tk, params: list, order: Iterator[int], target: int, *, batch_size: int, block_size: int,
+          num_examples: int, clip: float) -> tuple[int, list[float]]:
+    """One optimizer step on the next ``target`` samples of ``order``'s blocks, in batches of about ``batch_size``,
+    sample-weighted and clipped as a swarm's step is. Returns the samples taken and each batch's loss."""
+    bs, n_ex = block_size, num_examples
+    got, losses = 0, []
+    while got < target:
+        indices: list[int] = []
+        while got + len(indices) < target and len(indices) < batch_size:
+            indices.extend(block_examples(next(order), bs, n_ex))
+        batch = tk.get_batch(indices)
+        n = batch_len(batch)
+        loss = tk.loss(state.model, batch)
+        (loss.float() * n).backward()
+        got += n
+        losses.append(float(loss.detach()))
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(got)
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, clip, foreach=False)
+    state.optimizer.step()
+    state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return got, losses
+
+
 def run_baseline(*, task: str, sets: Mapping[str, str], seed: int, samples_per_step: Sequence[int],
                  eval_steps: Sequence[int], batch_size: int = 64, order_shift: int = 0,
                  blocks_per_step: Optional[Sequence[Sequence[Sequence[int]]]] = None) -> dict:
@@ -63,30 +90,13 @@ def run_baseline(*, task: str, sets: Mapping[str, str], seed: int, samples_per_s
     total = 0
     for step, target in enumerate(samples_per_step, start=1):
         model.train()
-        got, losses = 0, []
         if blocks_per_step is not None:  # exactly this step's blocks (the check below: they hold its samples)
             target = sum(len(block_examples(b, bs, n_ex)) for s, e in blocks_per_step[step - 1] for b in range(s, e))
             if target != samples_per_step[step - 1]:
                 raise ValueError(f"step {step}: its blocks hold {target} samples, the swarm committed "
                                  f"{samples_per_step[step - 1]}")
-        while got < target:
-            indices: list[int] = []
-            while got + len(indices) < target and len(indices) < batch_size:
-                indices.extend(block_examples(next(order), bs, n_ex))
-            batch = tk.get_batch(indices)
-            n = batch_len(batch)
-            loss = tk.loss(model, batch)
-            (loss.float() * n).backward()
-            got += n
-            losses.append(float(loss.detach()))
-        for p in params:
-            if p.grad is not None:
-                p.grad.div_(got)
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip, foreach=False)
-        state.optimizer.step()
-        state.scheduler.step()
-        state.optimizer.zero_grad(set_to_none=True)
+        got, losses = _step(state, tk, params, order, target, batch_size=batch_size, block_size=bs, num_examples=n_ex,
+                             clip=clip)
         total += got
         out["samples"][step] = total
         out["train"][step] = sum(losses) / len(losses) if losses else float("nan")
