@@ -17,7 +17,7 @@ import time
 from _common import batch_len, batches, build_model_and_optimizer, build_task, emit, parse_sets
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--run-id", required=True)
     p.add_argument("--task", default="synthetic")
@@ -31,7 +31,24 @@ def main() -> int:
     p.add_argument("--min-peers", type=int, default=2, help="wait until the tracker sees this many peers")
     p.add_argument("--min-peers-timeout", type=float, default=60.0)
     p.add_argument("--verbose", action="store_true", help="hivemind.Optimizer(verbose=True): its status on stderr")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def wait_for_peers(opt, min_peers: int, timeout: float) -> bool:
+    """Wait until hivemind's progress tracker sees ``min_peers`` peers (emits ``error`` and returns False after
+    ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while opt.tracker.global_progress.num_peers < min_peers:
+        if time.monotonic() > deadline:
+            emit("error", message=f"tracker saw {opt.tracker.global_progress.num_peers} peer(s) after "
+                                  f"{timeout}s, wanted {min_peers}")
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def main() -> int:
+    args = parse_args()
 
     import hivemind
     from swarmrun.node import TrainerConfig
@@ -71,13 +88,8 @@ def main() -> int:
         # samples, and a peer that sees no others steps alone ("there are no other peers"). So: one batch, then
         # wait until the tracker sees the other peer(s), then (with --wait-go) wait for the common start.
         train_on(next(data))
-        deadline = time.monotonic() + args.min_peers_timeout
-        while opt.tracker.global_progress.num_peers < args.min_peers:
-            if time.monotonic() > deadline:
-                emit("error", message=f"tracker saw {opt.tracker.global_progress.num_peers} peer(s) after "
-                                      f"{args.min_peers_timeout}s, wanted {args.min_peers}")
-                return 3
-            time.sleep(0.1)
+        if not wait_for_peers(opt, args.min_peers, args.min_peers_timeout):
+            return 3
         emit("synced", peers=opt.tracker.global_progress.num_peers, epoch=opt.local_epoch)
         if args.wait_go:
             sys.stdin.readline()
