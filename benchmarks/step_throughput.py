@@ -155,6 +155,16 @@ def main(argv=None) -> int:
         elif runs:
             say(f"peer logs kept in {workdir}")
 
+    summary = make_summary(opts, runs)
+    if opts.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        print_table(summary)
+    return 0 if all(summary["medians"].get(s) is not None for s in opts.systems) else 1
+
+
+def make_summary(opts, runs: list[dict[str, Any]]) -> dict:
+    """The ``summary`` line: each system's figures and median, the ratios of the medians, the failed runs."""
     figures = {s: [r["samples_per_s"] for r in runs if r["system"] == s and r.get("samples_per_s") is not None]
                for s in opts.systems}
     medians = {s: (statistics.median(v) if v else None) for s, v in figures.items()}
@@ -163,7 +173,7 @@ def main(argv=None) -> int:
         x, y = medians.get(a), medians.get(b)
         return x / y if x is not None and y else None
 
-    summary = dict(
+    return dict(
         event="summary", task=opts.task,
         settings=dict(total_steps=opts.total_steps, target_batch_size=opts.target_batch_size,
                       batch_size=opts.batch_size, matchmaking_time=opts.matchmaking_time, seed=opts.seed,
@@ -174,11 +184,6 @@ def main(argv=None) -> int:
                 for r in runs if r.get("error")],
         runs=runs,
     )
-    if opts.json:
-        print(json.dumps(summary), flush=True)
-    else:
-        print_table(summary)
-    return 0 if all(medians.get(s) is not None for s in opts.systems) else 1
 
 
 def print_table(summary: dict) -> None:
