@@ -64,7 +64,7 @@ class RoundMeta:
     blocks: RangeSet  # the blocks it claims, of the cursor's current data epoch
     data_epoch: int
     grad_norm: float = 0.0  # declared norm of its contribution (admission refuses one far off the recent median)
-    certificate: bytes = b""  # reserved: access certificate
+    certificate: bytes = b""  # its invite certificate (an invite-only run admits it to the group only with one)
     ready_at: float = 0.0  # DHT time its part was computed (the last member's is when the step's target was reached)
     version: int = ROUND_VERSION
 
