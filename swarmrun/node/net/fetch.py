@@ -1,9 +1,10 @@
-"""State transfer over hivemind P2P binary streams: a provider's server, and a joiner's many-provider fetch.
+"""State transfer over hivemind P2P binary streams, the joiner's side: a many-provider fetch.
 
 The pure parts (messages, the plan, which state to choose) are in ``protocol/transfer.py``; this module moves
-bytes. A provider serves frozen objects (``FrozenState``: the state of a step, or a step record) by manifest
-hash from this peer's own p2pd (hivemind's ``DHT.replicate_p2p``). A joiner opens one stream per provider
-and keeps a few chunk requests in flight on each; every chunk is verified before it counts.
+bytes. Providers serve frozen objects (``FrozenState``: the state of a step, or a step record) by manifest hash
+from their own p2pd (``net/serve.py``). A joiner opens one stream per provider and keeps a few chunk requests in
+flight on each; every chunk is verified before it counts. It drives its streams itself (``receive.py``), not
+through ``protocol/transfer_session.FetcherSession``: see that module's docstring for why.
 """
 
 from __future__ import annotations
