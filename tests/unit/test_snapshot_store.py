@@ -197,6 +197,7 @@ SnapshotStore(url, storage=Slow(url)).write(frozen_state(2, changed=4096), signe
 """
 
 
+@pytest.mark.timeout(180)  # a child process that imports torch: slow to start on a loaded 2-core machine
 @pytest.mark.parametrize("kill_after", ["chunk", "record"])
 def test_kill_9_during_write_leaves_previous_snapshot_loadable(tmp_path, kill_after):
     """A real writer process SIGKILLed between chunks, or between the last chunk and the record."""
