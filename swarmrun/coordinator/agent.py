@@ -115,7 +115,7 @@ class Agent:
         if present and self.peer is not None:
             await self.stop_peer("resident returned")  # at once: the coordinator hears of it on this heartbeat
         body: dict[str, Any] = {"resident_present": present}
-        if self.peer is not None and self.peer.maddr and not self.peer.stopping:
+        if self.peer is not None and not self.peer.stopping:  # maddr None while it starts: it runs, not yet listens
             body["peer"] = {"run_id": self.peer.run_id, "maddr": self.peer.maddr}
         if self.peer is not None:
             await self._flush(self.peer, now=True)

@@ -83,24 +83,35 @@ class _Api:
         self.on_change = on_change
         self.max_body_bytes = max_body_bytes
         self.store = store
-        # worker id -> (run id, multiaddr) of the peer its agent runs. Kept in memory, not in the registry:
-        # every heartbeat repeats it, so a restarted coordinator knows it again within one heartbeat.
-        self.peers: dict[str, tuple[str, str]] = {}
+        # worker id -> (run id, multiaddr or None while it starts) of the peer its agent runs. Kept in memory, not
+        # in the registry: every heartbeat repeats it, so a restarted coordinator knows it again within one heartbeat
+        self.peers: dict[str, tuple[str, str | None]] = {}
+        self.heard: set[str] = set()  # workers heard from since this coordinator started
 
     async def with_run_info(self, worker_id: str, answer: dict[str, Any]) -> dict[str, Any]:
         """An agent's answer with what it needs to start its peer: the pool's store, the multiaddrs of the run's
-        running peers on other workers, the run's leader (the worker that creates or resumes it when no peer
-        runs: the least worker id assigned) and the run's last reported step."""
+        running peers on other workers, the run's leader and the run's last reported step.
+
+        The leader creates or resumes the run; the others join a running peer. It is a worker whose peer of the run
+        already runs, else the least worker id assigned; and nobody (everyone waits) while another assigned worker
+        has not been heard from since this coordinator started: its peer may be training, and a second peer
+        resuming the run from its snapshot would start a second swarm of it (the pool trace's exp2 stalled so,
+        half in each, after a coordinator restart)."""
         assignment = answer.get("assignment")
         answer["store"] = self.store
         if assignment is None:
             return answer
         run = await self.call(self.registry.run, assignment["run_id"])
         members = run["workers"]
-        assignment["peers"] = sorted(
-            self.peers[w][1] for w in members if w != worker_id and self.peers.get(w, ("",))[0] == run["run_id"]
-        )
-        assignment["leader"] = min(members) if members else worker_id
+        others = [w for w in members if w != worker_id]
+        running = sorted(w for w in others if self.peers.get(w, ("",))[0] == run["run_id"])
+        assignment["peers"] = sorted(self.peers[w][1] for w in running if self.peers[w][1])
+        if running:
+            assignment["leader"] = running[0]
+        elif any(w not in self.heard for w in others):
+            assignment["leader"] = None
+        else:
+            assignment["leader"] = min(members) if members else worker_id
         assignment.update({k: run[k] for k in ("step", "total_steps", "snapshot_url", "snapshot_step")})
         return answer
 
@@ -210,6 +221,7 @@ class _Api:
         reg = schema.parse_registration(await self.body(request))
         await self.owned_worker(reg.worker_id, user, new_ok=True)
         answer = await self.write(self.registry.register_worker, reg, owner=user.name)
+        self.heard.add(reg.worker_id)
         return JSONResponse(await self.with_run_info(reg.worker_id, answer))
 
     async def heartbeat(self, request: Request) -> JSONResponse:
@@ -218,7 +230,8 @@ class _Api:
         await self.owned_worker(worker_id, user, new_ok=False)
         beat = schema.parse_heartbeat(await self.body(request))
         answer = await self.write(self.registry.heartbeat, worker_id, beat)
-        if beat.peer_run_id is not None and beat.peer_maddr is not None:
+        self.heard.add(worker_id)
+        if beat.peer_run_id is not None:
             self.peers[worker_id] = (beat.peer_run_id, beat.peer_maddr)
         else:
             self.peers.pop(worker_id, None)

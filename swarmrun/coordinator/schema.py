@@ -235,7 +235,8 @@ def parse_heartbeat(body: Any) -> Heartbeat:
     if not isinstance(body["resident_present"], bool):
         raise UsageError("resident_present must be true or false")
     resources = body.get("resources")
-    peer = _object(body.get("peer") or {}, {"run_id", "maddr"}, {"run_id", "maddr"} if body.get("peer") else set())
+    # a peer without maddr is starting (not listening yet): its worker is not the one to create or resume the run
+    peer = _object(body.get("peer") or {}, {"run_id", "maddr"}, {"run_id"} if body.get("peer") else set())
     maddr = peer.get("maddr")
     if maddr is not None and (not isinstance(maddr, str) or not 1 <= len(maddr) <= 512 or not maddr.isprintable()):
         raise UsageError("peer.maddr must be a printable string of 1 to 512 characters")

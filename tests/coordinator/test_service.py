@@ -149,9 +149,37 @@ async def test_an_agent_learns_the_store_the_leader_and_the_peers_of_its_run(reg
         assert second["peers"] == ["/ip4/127.0.0.1/tcp/1/p2p/Qm1"] and second["leader"] == "w1"
         await c.post("/api/workers/w1/heartbeat", json={"resident_present": False})  # its peer stopped
         second = (await c.post("/api/workers/w2/heartbeat", json={"resident_present": False})).json()["assignment"]
-        assert second["peers"] == []
-        bad = await c.post("/api/workers/w1/heartbeat", json={"resident_present": False, "peer": {"run_id": "r"}})
+        assert second["peers"] == [] and second["leader"] == "w1"
+        # a peer that runs but does not listen yet: the others wait for it instead of leading a second swarm
+        starting = {"resident_present": False, "peer": {"run_id": "r"}}
+        assert (await c.post("/api/workers/w2/heartbeat", json=starting)).status_code == 200
+        first = (await c.post("/api/workers/w1/heartbeat", json={"resident_present": False})).json()["assignment"]
+        assert first["peers"] == [] and first["leader"] == "w2"
+        bad = await c.post("/api/workers/w1/heartbeat", json={"resident_present": False, "peer": {"maddr": "/ip4/x"}})
         assert bad.status_code == 422
+
+
+async def test_a_restarted_coordinator_names_no_leader_until_it_heard_every_worker_of_the_run(registry, clock):
+    """A coordinator restarted on the same database knows the assignments but not yet which peers run: a worker
+    that led the run's resume before the others' first heartbeat started a second swarm of the run (exp2 of the
+    pool trace, half its peers in each, stalled for good)."""
+    token = registry.add_user("bob")
+    submit(registry, "r", max_peers=2)
+    headers = {"Authorization": f"Bearer {token}"}
+    app = make_app(registry, store="/pool/store")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c", headers=headers) as c:
+        for w in ("w2", "w1"):
+            await c.post("/api/workers/register", json={"worker_id": w, "hostname": "h", "resources": {"cpus": 2}})
+        place_once(registry, Policy(), clock.now, lambda *a, **k: None)
+    restarted = make_app(registry, store="/pool/store")  # same database, nothing in memory
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=restarted), base_url="http://c",
+                                 headers=headers) as c:
+        first = (await c.post("/api/workers/w1/heartbeat", json={"resident_present": False})).json()["assignment"]
+        assert first["leader"] is None and first["peers"] == []  # w2 may be training: wait for its heartbeat
+        beat = {"resident_present": False, "peer": {"run_id": "r", "maddr": "/ip4/127.0.0.1/tcp/2/p2p/Qm2"}}
+        await c.post("/api/workers/w2/heartbeat", json=beat)
+        first = (await c.post("/api/workers/w1/heartbeat", json={"resident_present": False})).json()["assignment"]
+        assert first["leader"] == "w2" and first["peers"] == ["/ip4/127.0.0.1/tcp/2/p2p/Qm2"]
 
 
 def test_resident_sources(tmp_path):
