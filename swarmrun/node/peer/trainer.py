@@ -399,13 +399,14 @@ class Trainer:
         claims, outcome = result.claims, result.outcome
         if isinstance(result.decision, Commit):
             ready = max([m.ready_at for m in outcome.metas if m.ready_at] or [self.ready_at])
+            mine = self._inner_fields()
             await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
             self._after_commit()
             self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=result.seconds,
                                                           vote_s=round(result.vote_seconds, 3), samples=claims.samples,
                                                           blocks=claims.applied.to_list(),
                                                           round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
-                                                          sent_bytes=outcome.sent_bytes))
+                                                          sent_bytes=outcome.sent_bytes, **mine))
             # in the background: the next step's first batch may plan on the older view, the next ones read this one
             self._looking = asyncio.ensure_future(self.reporter.publish_and_read())
         else:
@@ -435,11 +436,17 @@ class Trainer:
             self._zero_accumulator()
             return
         ready = self.ready_at or get_dht_time()
+        mine = self._inner_fields()
         await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=False)
         self._after_commit()
         self.events.emit("step", **self._step_fields(group=1, round_s=0.0, samples=claims.samples,
                                                       blocks=claims.applied.to_list(),
-                                                      round_overhead_s=round(max(0.0, get_dht_time() - ready), 3)))
+                                                      round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
+                                                      **mine))
+
+    def _inner_fields(self) -> dict:
+        """Outer mode: the inner steps this peer took toward the step (a field of its step event)."""
+        return {} if self.inner is None else {"inner_steps": self.inner.steps}
 
     def _apply_step(self, applied: RangeSet, *, from_buffers: bool) -> None:
         """The committed step: the optimizer on the (identical) averaged gradient, then cursor and step advance."""

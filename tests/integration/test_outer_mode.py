@@ -1,0 +1,57 @@
+"""Outer mode (``--set outer=diloco``) on real peers on loopback: inner steps, one outer step per committed round,
+one state_hash on every peer after every committed step, every block applied once."""
+
+import pytest
+
+from tests.swarm_helpers import Swarm
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # real peers: more than the default 60 s
+
+TOTAL_STEPS, BLOCK_SIZE, INNER_STEPS = 6, 8, 4
+
+
+def test_two_peers_in_outer_mode_agree_on_every_step_and_apply_every_block_once(tmp_path):
+    with Swarm(tmp_path, "outer") as swarm:
+        common = ("--matchmaking-time", "1.0")
+        swarm.create("p0", "--task", "synthetic", "--set", f"total_steps={TOTAL_STEPS}", "--set", "eval_every=1",
+                     "--set", f"block_size={BLOCK_SIZE}", "--set", "outer=diloco",
+                     "--set", f"inner_steps={INNER_STEPS}", "--min-peers", "2", *common)
+        swarm.join("p1", *common, "--batch-size", "8")
+        names = ("p0", "p1")
+        for name in names:
+            assert swarm.wait_exit(name, timeout=240) == 0, swarm.log(name)[-3000:]
+        lefts = {n: swarm.events(n, "left")[0] for n in names}
+        assert {e["reason"] for e in lefts.values()} == {"finished"}
+        assert {e["step"] for e in lefts.values()} == {TOTAL_STEPS}
+        assert len({e["state_hash"] for e in lefts.values()}) == 1
+        assert lefts["p0"]["cursor"] == lefts["p1"]["cursor"]
+
+        # every committed (outer) step leaves one state_hash on every peer that holds it
+        by_step: dict = {}
+        for name in names:
+            for e in swarm.events(name, "step") + swarm.events(name, "resync") + swarm.events(name, "bootstrapped"):
+                by_step.setdefault(e["step"], {})[name] = e["state_hash"]
+        for step, by_peer in by_step.items():
+            assert len(set(by_peer.values())) == 1, (step, by_peer)
+        assert sum(len(by_peer) > 1 for by_peer in by_step.values()) >= TOTAL_STEPS - 1, by_step
+
+        # a committed step is an outer step: its members took inner steps, and it carries their samples
+        steps = {}
+        for name in names:
+            for e in swarm.events(name, "step"):
+                assert e["inner_steps"] >= 1, e
+                steps.setdefault(e["step"], e)
+        assert any(e["inner_steps"] > 1 for name in names for e in swarm.events(name, "step"))
+        assert sorted(steps) == list(range(1, TOTAL_STEPS + 1)), sorted(steps)
+        # no block skipped or applied twice; each step advanced the cursor by exactly the blocks of its samples
+        applied_before = 0
+        for step in range(1, TOTAL_STEPS + 1):
+            e = steps[step]
+            assert e["cursor"]["blocks_duplicated"] == 0 and e["cursor"]["blocks_skipped"] == 0, e
+            assert (e["cursor"]["blocks_applied"] - applied_before) * BLOCK_SIZE == e["samples"], (step, e)
+            assert e["samples"] >= 0.95 * 64, e  # target_batch_size counts the samples of all inner steps
+            applied_before = e["cursor"]["blocks_applied"]
+        assert applied_before == lefts["p0"]["cursor"]["blocks_applied"]
+
+        evals = swarm.events("p0", "eval")
+        assert evals[-1]["step"] == TOTAL_STEPS and evals[-1]["loss"] < evals[0]["loss"], evals
