@@ -19,6 +19,7 @@ from typing import Any
 from swarmrun.protocol.codec import pack, unpack
 from swarmrun.protocol.errors import (IncompatibleState, LocalProtocolError, RemoteProtocolError, SwarmrunError,
                                       UsageError)
+from swarmrun.protocol.outer import OUTER_DEFAULTS, OUTERS, check_outer, outer_hparams
 
 __all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "COMPRESSIONS", "OUTERS", "OUTER_DEFAULTS", "RUN_ID", "BUDGET_HPARAMS", "check_run_id", "Spec",
            "SignedSpec", "amend", "outer_hparams", "choose_spec", "choose_budget", "planned_steps", "budget_reached", "steps_left"]
@@ -31,13 +32,6 @@ ACCESS_POLICIES = ("open", "invite")
 COMPRESSIONS = ("none", "fp16", "bf16", "8bit", "quantile8bit")
 _UNAVAILABLE_COMPRESSIONS = {"blockwise8": "hivemind's blockwise 8-bit codec needs bitsandbytes, which swarmrun does "
                                            "not depend on; use 8bit"}
-#: how a committed step is made (hparam ``outer``): ``none``, one optimizer step on the averaged gradient; ``diloco``,
-#: each trainer takes inner optimizer steps on the blocks it claims and the round averages pseudo-gradients (start of
-#: step parameters minus local ones) for one outer optimizer step (SGD, Nesterov momentum by default)
-OUTERS = ("none", "diloco")
-#: the outer mode's hparams and their defaults (the DiLoCo paper's outer SGD). A spec holds them only in outer mode,
-#: so a spec of the default mode encodes, and hashes, as it did before they existed; ``inner_steps`` has no default
-OUTER_DEFAULTS = {"outer": "none", "inner_steps": 0, "outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
 MAX_SPEC_SIZE = 1 << 20
 
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the one run-id pattern (the CLI, the coordinator, specs)
@@ -84,52 +78,6 @@ def _check_compression(value: Any) -> None:
         raise UsageError(f"hparams['compression'] {value!r} is not available: {_UNAVAILABLE_COMPRESSIONS[value]}")
     if value not in COMPRESSIONS:
         raise UsageError(f"hparams['compression'] must be one of {', '.join(COMPRESSIONS)}, got {value!r}")
-
-
-def _check_outer(hparams: Mapping[str, Any]) -> None:
-    outer = hparams.get("outer", "none")
-    if outer not in OUTERS:
-        raise UsageError(f"hparams['outer'] must be one of {', '.join(OUTERS)}, got {outer!r}")
-    others = sorted(k for k in OUTER_DEFAULTS if k != "outer" and k in hparams)
-    if outer == "none":
-        if others or "outer" in hparams:  # one encoding of the default mode: the one specs had before outer existed
-            raise UsageError(f"hparams {', '.join(others or ['outer'])} belong to outer=diloco only")
-        return
-    missing = sorted(k for k in OUTER_DEFAULTS if k not in hparams)
-    if missing:
-        raise UsageError(f"outer=diloco needs hparams {', '.join(missing)}")
-    steps, lr, momentum = hparams["inner_steps"], hparams["outer_lr"], hparams["outer_momentum"]
-    if not _is_int(steps) or steps <= 0:
-        raise UsageError(f"hparams['inner_steps'] must be a positive int, got {steps!r}")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-        raise UsageError(f"hparams['outer_lr'] must be a positive number, got {lr!r}")
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
-        raise UsageError(f"hparams['outer_momentum'] must be a number in [0, 1), got {momentum!r}")
-    if not isinstance(hparams["outer_nesterov"], bool) or (hparams["outer_nesterov"] and momentum == 0):
-        raise UsageError(f"hparams['outer_nesterov'] must be a bool (and needs outer_momentum > 0), "
-                         f"got {hparams['outer_nesterov']!r}")
-
-
-def outer_hparams(values: Mapping[str, Any], *, given: Collection[str]) -> dict[str, Any]:
-    """The outer-mode hparams a new spec holds: none for ``outer=none`` (the default mode's spec is as it was), all of
-    ``OUTER_DEFAULTS`` (``values`` over the defaults) for ``outer=diloco``.
-
-    Args:
-        values: the outer hparams, typed (the CLI's ``--set`` over ``OUTER_DEFAULTS``).
-        given: the keys the user set.
-    Raises:
-        UsageError: an outer hparam without ``outer=diloco``, or ``outer=diloco`` without ``inner_steps``.
-    """
-    merged = {**OUTER_DEFAULTS, **{k: v for k, v in values.items() if k in OUTER_DEFAULTS}}
-    if merged["outer"] == "none":
-        stray = sorted(k for k in given if k != "outer" and k in OUTER_DEFAULTS)
-        if stray:
-            raise UsageError(f"--set {', '.join(stray)} needs --set outer=diloco")
-        return {}
-    if "inner_steps" not in given:
-        raise UsageError("outer=diloco needs --set inner_steps=H (inner optimizer steps of each trainer per outer step)")
-    _check_outer(merged)
-    return merged
 
 
 def check_run_id(run_id: str) -> str:
@@ -189,7 +137,7 @@ class Spec:
         if not _is_int(self.hparams[budgets[0]]) or self.hparams[budgets[0]] <= 0:
             raise UsageError(f"hparams[{budgets[0]!r}] must be a positive int, got {self.hparams[budgets[0]]!r}")
         _check_compression(self.hparams.get("compression", "none"))
-        _check_outer(self.hparams)
+        check_outer(self.hparams)
         tolerance = self.hparams.get("step_tolerance", DEFAULT_STEP_TOLERANCE)
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
             raise UsageError(f"hparams['step_tolerance'] must be a number in [0, 1), got {tolerance!r}")

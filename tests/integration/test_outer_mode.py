@@ -10,11 +10,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # real peers: 
 TOTAL_STEPS, BLOCK_SIZE, INNER_STEPS = 6, 8, 4
 
 
-def test_two_peers_in_outer_mode_agree_on_every_step_and_apply_every_block_once(tmp_path):
-    with Swarm(tmp_path, "outer") as swarm:
+# 8bit: fc1 (16 x 256 = 4096 values) goes in 8 bits, the rest in fp16: the pseudo-gradient goes through the same
+# averaged buffers, so the codec applies to it as to a gradient
+@pytest.mark.parametrize("compression", ["none", "8bit"])
+def test_two_peers_in_outer_mode_agree_on_every_step_and_apply_every_block_once(tmp_path, compression):
+    with Swarm(tmp_path, f"outer-{compression}") as swarm:
         common = ("--matchmaking-time", "1.0")
         swarm.create("p0", "--task", "synthetic", "--set", f"total_steps={TOTAL_STEPS}", "--set", "eval_every=1",
-                     "--set", f"block_size={BLOCK_SIZE}", "--set", "outer=diloco",
+                     "--set", f"block_size={BLOCK_SIZE}", "--set", "outer=diloco", "--set", "hidden=256",
+                     "--set", f"compression={compression}",
                      "--set", f"inner_steps={INNER_STEPS}", "--min-peers", "2", *common)
         swarm.join("p1", *common, "--batch-size", "8")
         names = ("p0", "p1")
@@ -42,6 +46,7 @@ def test_two_peers_in_outer_mode_agree_on_every_step_and_apply_every_block_once(
                 assert e["inner_steps"] >= 1, e
                 steps.setdefault(e["step"], e)
         assert any(e["inner_steps"] > 1 for name in names for e in swarm.events(name, "step"))
+        assert all(e["sent_bytes"] > 0 for name in names for e in swarm.events(name, "step") if e["group"] > 1)
         assert sorted(steps) == list(range(1, TOTAL_STEPS + 1)), sorted(steps)
         # no block skipped or applied twice; each step advanced the cursor by exactly the blocks of its samples
         applied_before = 0

@@ -167,3 +167,35 @@ def test_the_default_mode_state_is_laid_out_as_before():
     state = initial_state(spec, SyntheticTask({}, 1), "cpu")
     assert isinstance(state, RunState) and state.inner is None
     assert isinstance(state.optimizer, torch.optim.AdamW) and state.scheduler.optimizer is state.optimizer
+
+
+def test_the_local_work_of_each_mode():
+    """``work.make_work``: accumulated gradients by default; outer mode's inner steps, whose update is the
+    pseudo-gradient, go stale when the committed state changes, and restart from it."""
+    from types import SimpleNamespace
+
+    from swarmrun.node.peer.work import Accumulate, InnerSteps, make_work
+
+    task, config = SyntheticTask({}, 1), SimpleNamespace(batch_size=8, mixed_precision=False)
+    spec = spec_from({**OUTER, "total_steps": "10"})
+    state = initial_state(spec, task, "cpu")
+    work = make_work(spec=spec, task=task, state=state, device=torch.device("cpu"), config=config)
+    assert isinstance(work, InnerSteps) and not work.clips_commit and work.batch(64) == 16
+    assert work.stale("h0")
+    work.reset("h0")
+    assert not work.stale("h0") and work.stale("h1")
+    loss, n = work.compute([0, 1, 2])  # 24 samples: one inner step, in batches of 8
+    assert n == 24 and work.fields() == {"inner_steps": 1}
+    update, divisor = work.update(n)
+    assert divisor == 1 and any(bool(u.abs().sum() > 0) for u in update)
+    assert all(p.grad is None for p in state.model.parameters())  # the run state's model holds no inner work
+    work.reset("h1")
+    assert all(float(u.abs().sum()) == 0 for u in work.update(0)[0]) and work.fields() == {"inner_steps": 0}
+
+    plain_spec = spec_from({})
+    plain = make_work(spec=plain_spec, task=task, state=initial_state(plain_spec, task, "cpu"),
+                      device=torch.device("cpu"), config=config)
+    assert type(plain) is Accumulate and plain.clips_commit and not plain.stale("anything")
+    plain.compute([0])
+    grads, samples = plain.update(8)
+    assert samples == 8 and all(g is not None for g in grads)

@@ -4,11 +4,8 @@ One asyncio loop; the gradient computation and the optimizer step run in a worke
 and averager run in their own processes and are reached through their public API (MPFutures are awaited).
 What it is made of, each an object of its own: the round and its vote (``rounds.RoundRunner``), the progress
 reporter and the swarm view (``reporter.Reporter``), the served state (``served.ServedState``) and the catch-up
-(``catchup.CatchUp``). The trainer keeps the loop, the accumulation and applying a committed step.
-
-In outer mode (``--set outer=diloco``, ``outer.Inner``) the gradients go into inner optimizer steps on the peer's
-inner model instead of an accumulator; what a round averages is the pseudo-gradient (``_update``), and the committed
-step is the outer optimizer's, on the run state's model, which never holds inner work.
+(``catchup.CatchUp``), the local work of the run's mode (``work``: accumulated gradients, or outer mode's inner
+steps). The trainer keeps the loop and applying a committed step.
 """
 
 from __future__ import annotations
@@ -29,17 +26,17 @@ from swarmrun.node.net.swarm import record_validator, signed_subkey
 from swarmrun.node.output import Events
 from swarmrun.node.peer.access import AccessGate
 from swarmrun.node.peer.catchup import CatchUp
-from swarmrun.node.peer.outer import Inner
 from swarmrun.node.peer.reporter import Reporter
 from swarmrun.node.peer.rounds import RoundRunner, make_averager
 from swarmrun.node.peer.served import ServedState
+from swarmrun.node.peer.work import make_work, mean_norm
 from swarmrun.node.state.run import FrozenState, RunState
 from swarmrun.node.state.steps import make_step_record
-from swarmrun.node.tasks.base import Task, batch_len, batch_to
+from swarmrun.node.tasks.base import Task
 from swarmrun.protocol.cursor import RangeSet
 from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, Stopped, SwarmrunError
 from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE
-from swarmrun.protocol.plan import inner_batch, my_quota, pick_blocks, plan_step, ready_for_round, round_eta, shortfall_taker
+from swarmrun.protocol.plan import my_quota, pick_blocks, plan_step, ready_for_round, round_eta, shortfall_taker
 from swarmrun.protocol.round import (
     Commit,
     ProgressReport,
@@ -102,10 +99,7 @@ class Trainer:
         self.subkey = subkey = signed_subkey(record_validator(identity), self.peer_id)
         self.device = torch.device(config.device)
         self.params = [p for p in state.model.parameters()]
-        # outer mode: this peer's inner model and optimizer (None: gradients accumulate toward one optimizer step)
-        self.inner: Optional[Inner] = state.inner if spec.outer == "diloco" else None
-        if spec.outer == "diloco" and self.inner is None:
-            raise IncompatibleState("a run in outer mode needs a state built for it (build.initial_state)")
+        self.work = make_work(spec=spec, task=task, state=state, device=self.device, config=config)
         self.samples = 0  # samples accumulated toward the next step
         self.claimed = RangeSet()  # blocks whose gradients are in the accumulator
         self.quota: Optional[int] = None  # samples this peer brings to the next step (its part of the plan, published)
@@ -285,24 +279,22 @@ class Trainer:
     def _take_blocks(self, quota: int) -> list[int]:
         """The next blocks to compute: a batch, or what is left of this peer's part if less."""
         cursor = self.state.cursor
-        # outer mode: one inner step's batch (inner_steps of them make this peer's part)
-        batch = self.config.batch_size if self.inner is None else inner_batch(quota, self.spec.inner_steps)
-        count = max(1, math.ceil(min(batch, quota - self.samples) / cursor.block_size))
+        count = max(1, math.ceil(min(self.work.batch(quota), quota - self.samples) / cursor.block_size))
         leased = self.view.leased(me=self.peer_id, step=self.state.step, data_epoch=cursor.data_epoch)
         members = sorted(set(self.view.trainers) | {self.peer_id})
         return pick_blocks(cursor, count, member=members.index(self.peer_id), members=len(members),
                            exclude=self.claimed.add(leased))
 
     async def _compute_once(self, quota: int) -> None:
-        if self.inner is not None and self.inner.base != self.state_hash:
-            self._zero_accumulator()  # inner work belongs to the committed state it started from: start from this one
+        if self.work.stale(self.state_hash):
+            self._zero_accumulator()
         blocks = self._take_blocks(quota)
         if not blocks:  # every free block of the epoch is applied, held by us or leased: our part is what we hold
             self.spent_at = time.monotonic()
             await asyncio.sleep(self.config.report_interval)
             return
         t0 = time.perf_counter()
-        loss, n = await asyncio.to_thread(self._accumulate, blocks)
+        loss, n = await asyncio.to_thread(self.work.compute, blocks)
         dt = time.perf_counter() - t0
         self.samples += n
         self.claimed = self.claimed.add(RangeSet.from_items(blocks))
@@ -310,65 +302,21 @@ class Trainer:
         rate = n / max(dt, 1e-6)
         self.samples_per_second = rate if self.samples_per_second == 0 else 0.8 * self.samples_per_second + 0.2 * rate
 
-    def _accumulate(self, blocks: list[int]) -> tuple[float, int]:
-        """Add the per-sample sum of gradients of these blocks to ``param.grad`` (runs in a worker thread); in outer
-        mode, take one inner step on them instead (in batches of at most ``batch_size`` samples)."""
-        if self.inner is None:
-            return self._backward(self.state.model, blocks)
-        per = max(1, self.config.batch_size // self.state.cursor.block_size)
-        total_loss, total = 0.0, 0
-        for i in range(0, len(blocks), per):
-            loss, n = self._backward(self.inner.model, blocks[i:i + per])
-            total_loss, total = total_loss + loss * n, total + n
-        self.inner.step(total, clip=float(self.spec.hparams.get("clip_norm", 0.0)))
-        return total_loss / max(1, total), total
-
-    def _backward(self, model: torch.nn.Module, blocks: list[int]) -> tuple[float, int]:
-        cursor = self.state.cursor
-        batch = batch_to(self.task.batch_for_blocks(blocks, cursor.block_size), self.device)
-        n = batch_len(batch)
-        model.train()
-        amp = self.device.type == "cuda" and self.config.mixed_precision
-        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=amp):
-            loss = self.task.loss(model, batch)
-        (loss.float() * n).backward()  # per-sample sum: any batch size weighs right
-        return float(loss.detach()), n
-
     def _zero_accumulator(self) -> None:
-        for p in self.params:
-            p.grad = None
+        self.work.reset(self.state_hash)
         self.samples = 0
         self.claimed = RangeSet()
         self.spent_at = 0.0
         self.ready_at = 0.0
         self.quota = None
         self.floor = 0
-        if self.inner is not None:  # the inner work is dropped with its claim: start again from the committed state
-            sched = self.state.scheduler
-            self.inner.restart(self.state.model, base=self.state_hash,
-                               lr=sched.get_last_lr() if hasattr(sched, "get_last_lr") else None)
 
     # ---- the round -----------------------------------------------------------------------------------
     def _meta(self, update: Optional[tuple[list, int]] = None) -> RoundMeta:
         return RoundMeta(spec_hash=self.spec.spec_hash(), step=self.state.step, samples=self.samples,
                          blocks=self.claimed, data_epoch=self.state.cursor.data_epoch,
-                         grad_norm=self._grad_norm(update or self._update()),
+                         grad_norm=mean_norm(update or self.work.update(self.samples)),
                          certificate=self.gate.credentials or b"", ready_at=self.ready_at)
-
-    def _update(self) -> tuple[list[Optional[torch.Tensor]], int]:
-        """What this peer brings to the round, and what divides it into a mean: the per-sample sum of gradients and
-        the samples; in outer mode the pseudo-gradient (committed minus inner parameters), a mean already (1). The
-        round weighs either by the claimed samples."""
-        if self.inner is None:
-            return [p.grad for p in self.params], self.samples
-        return self.inner.pseudo_gradient(self.state.model), 1
-
-    @staticmethod
-    def _grad_norm(update: tuple[list, int]) -> float:
-        tensors, divisor = update
-        norms = [t.detach().float().norm() for t in tensors if t is not None]
-        value = float(torch.stack(norms).norm()) / max(1, divisor) if norms else 0.0
-        return value if math.isfinite(value) else -1.0
 
     async def run_round(self) -> None:
         """One attempt at the next step. Commits, or abandons and keeps the accumulated gradients (unless the round
@@ -378,7 +326,7 @@ class Trainer:
         if len(self.view.trainers) <= 1 and self.samples >= self._target():
             await self._commit_alone()
             return
-        update = self._update()
+        update = self.work.update(self.samples)
         meta = self._meta(update)
         if meta.grad_norm < 0:
             logger.warning("local gradient is not finite: dropping it and skipping this round")
@@ -399,7 +347,7 @@ class Trainer:
         claims, outcome = result.claims, result.outcome
         if isinstance(result.decision, Commit):
             ready = max([m.ready_at for m in outcome.metas if m.ready_at] or [self.ready_at])
-            mine = self._inner_fields()
+            mine = self.work.fields()
             await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
             self._after_commit()
             self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=result.seconds,
@@ -436,7 +384,7 @@ class Trainer:
             self._zero_accumulator()
             return
         ready = self.ready_at or get_dht_time()
-        mine = self._inner_fields()
+        mine = self.work.fields()
         await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=False)
         self._after_commit()
         self.events.emit("step", **self._step_fields(group=1, round_s=0.0, samples=claims.samples,
@@ -444,17 +392,13 @@ class Trainer:
                                                       round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
                                                       **mine))
 
-    def _inner_fields(self) -> dict:
-        """Outer mode: the inner steps this peer took toward the step (a field of its step event)."""
-        return {} if self.inner is None else {"inner_steps": self.inner.steps}
-
     def _apply_step(self, applied: RangeSet, *, from_buffers: bool) -> None:
         """The committed step: the optimizer on the (identical) averaged gradient, then cursor and step advance."""
         if from_buffers:
             with self.averager.get_tensors() as buffers:
                 grads = [buf.to(p.device, dtype=p.dtype, copy=True) for p, buf in zip(self.params, buffers)]
         else:
-            tensors, divisor = self._update()
+            tensors, divisor = self.work.update(self.samples)
             grads = [None if g is None else g.div_(max(1, divisor)) for g in tensors]
         before = self.state_hash
         self._optimizer_step(grads, applied)
@@ -475,8 +419,7 @@ class Trainer:
         record, so a replay gives the committers' bits."""
         for p, g in zip(self.params, grads):
             p.grad = None if g is None else g.to(p.device, dtype=p.dtype, copy=True)  # clipping works in place
-        # outer mode clips the inner steps' gradients (``Inner.step``), not the averaged pseudo-gradient
-        clip = float(self.spec.hparams.get("clip_norm", 0.0)) if self.inner is None else 0.0
+        clip = float(self.spec.hparams.get("clip_norm", 0.0)) if self.work.clips_commit else 0.0
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=False)
         self.state.optimizer.step()
