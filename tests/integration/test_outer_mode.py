@@ -39,13 +39,15 @@ def test_two_peers_in_outer_mode_agree_on_every_step_and_apply_every_block_once(
             assert len(set(by_peer.values())) == 1, (step, by_peer)
         assert sum(len(by_peer) > 1 for by_peer in by_step.values()) >= TOTAL_STEPS - 1, by_step
 
-        # a committed step is an outer step: its members took inner steps, and it carries their samples
-        steps = {}
+        # a committed step is an outer step: its members took inner steps (a member whose part was empty took none),
+        # and it carries their samples
+        steps, inner = {}, {}
         for name in names:
             for e in swarm.events(name, "step"):
-                assert e["inner_steps"] >= 1, e
                 steps.setdefault(e["step"], e)
-        assert any(e["inner_steps"] > 1 for name in names for e in swarm.events(name, "step"))
+                inner.setdefault(e["step"], []).append(e["inner_steps"])
+        assert all(max(counts) >= 1 for counts in inner.values()), inner
+        assert any(max(counts) > 1 for counts in inner.values()), inner
         assert all(e["sent_bytes"] > 0 for name in names for e in swarm.events(name, "step") if e["group"] > 1)
         assert sorted(steps) == list(range(1, TOTAL_STEPS + 1)), sorted(steps)
         # no block skipped or applied twice; each step advanced the cursor by exactly the blocks of its samples
