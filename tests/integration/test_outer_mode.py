@@ -8,6 +8,8 @@ from tests.swarm_helpers import Swarm
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # real peers: more than the default 60 s
 
 TOTAL_STEPS, BLOCK_SIZE, INNER_STEPS = 6, 8, 4
+# the DiLoCo paper's outer momentum (0.9, Nesterov) is for hundreds of inner steps: with 4 it overshoots on this task
+# (the eval loss grows after a few steps); 0.5 converges
 
 
 # 8bit: fc1 (16 x 256 = 4096 values) goes in 8 bits, the rest in fp16: the pseudo-gradient goes through the same
@@ -19,7 +21,8 @@ def test_two_peers_in_outer_mode_agree_on_every_step_and_apply_every_block_once(
         swarm.create("p0", "--task", "synthetic", "--set", f"total_steps={TOTAL_STEPS}", "--set", "eval_every=1",
                      "--set", f"block_size={BLOCK_SIZE}", "--set", "outer=diloco", "--set", "hidden=256",
                      "--set", f"compression={compression}",
-                     "--set", f"inner_steps={INNER_STEPS}", "--min-peers", "2", *common)
+                     "--set", f"inner_steps={INNER_STEPS}", "--set", "outer_momentum=0.5", "--min-peers", "2",
+                     *common)
         swarm.join("p1", *common, "--batch-size", "8")
         names = ("p0", "p1")
         for name in names:
