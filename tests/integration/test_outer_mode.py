@@ -65,3 +65,38 @@ def test_two_peers_in_outer_mode_agree_on_every_step_and_apply_every_block_once(
 
         evals = swarm.events("p0", "eval")
         assert evals[-1]["step"] == TOTAL_STEPS and evals[-1]["loss"] < evals[0]["loss"], evals
+
+
+def test_a_peer_killed_mid_outer_round_loses_its_inner_work_and_its_blocks_go_back(tmp_path):
+    """The victim SIGKILLs itself in the middle of its first all-reduce at step >= 3 (fault injected by data): that
+    round is abandoned, the survivors commit the step without the victim's inner work, and its blocks are applied
+    later, once."""
+    with Swarm(tmp_path, "outer-killed") as swarm:
+        common = ("--matchmaking-time", "1.0")
+        swarm.create("p0", "--task", "synthetic", "--set", f"total_steps={TOTAL_STEPS}", "--set", "hidden=256",
+                     "--set", f"block_size={BLOCK_SIZE}", "--set", "outer=diloco",
+                     "--set", f"inner_steps={INNER_STEPS}", "--set", "outer_momentum=0.5", "--min-peers", "3",
+                     *common)
+        swarm.join("p1", *common)
+        swarm.join("victim", *common, env={"SWARMRUN_FAULTS": "kill@allreduce:step=3"})
+        assert swarm.wait_exit("victim", timeout=240) != 0
+        for name in ("p0", "p1"):
+            assert swarm.wait_exit(name, timeout=240) == 0, swarm.log(name)[-3000:]
+        assert swarm.events("victim", "left") == []  # it died in a round, it did not leave
+        assert max(e["step"] for e in swarm.events("victim", "step")) < TOTAL_STEPS
+        by_step: dict = {}
+        for name in ("p0", "p1", "victim"):
+            for e in swarm.events(name, "step") + swarm.events(name, "resync") + swarm.events(name, "bootstrapped"):
+                by_step.setdefault(e["step"], {})[name] = e["state_hash"]
+        for step, by_peer in by_step.items():
+            assert len(set(by_peer.values())) == 1, (step, by_peer)
+        lefts = [swarm.events(n, "left")[0] for n in ("p0", "p1")]
+        assert {e["step"] for e in lefts} == {TOTAL_STEPS} and lefts[0]["state_hash"] == lefts[1]["state_hash"]
+        steps = {e["step"]: e for name in ("p0", "p1") for e in swarm.events(name, "step")}
+        applied_before = 0
+        for step in range(1, TOTAL_STEPS + 1):
+            e = steps[step]
+            assert e["cursor"]["blocks_duplicated"] == 0 and e["cursor"]["blocks_skipped"] == 0, e
+            assert (e["cursor"]["blocks_applied"] - applied_before) * BLOCK_SIZE == e["samples"], (step, e)
+            applied_before = e["cursor"]["blocks_applied"]
+        assert applied_before == lefts[0]["cursor"]["blocks_applied"]
