@@ -34,6 +34,10 @@ Glossary (shared/DESIGN.md; the code uses these words and no synonyms):
 - block: a fixed run of consecutive examples in the data order, sized by the
   spec; the unit of data accounting.
 - coordinator: the optional service that pools machines across runs.
+- outer step / inner step / pseudo-gradient (outer mode, ``protocol.outer``): a
+  committed step of a run in outer mode is an outer step; between two, each
+  trainer takes inner steps (the task's optimizer) on its own copy of the
+  model; a round averages pseudo-gradients (committed minus local parameters).
 """
 
 from swarmrun.protocol.codec import canonical_hash, pack, unpack

@@ -138,6 +138,12 @@ def shortfall_taker(group: list[str], *, me: str) -> bool:
     return bool(group) and me == min(group)
 
 
+def inner_batch(quota: int, inner_steps: int) -> int:
+    """Outer mode: the samples of one inner step of a trainer whose part of the step is ``quota``, so that it takes
+    ``inner_steps`` inner steps per outer step whatever its part (a faster peer takes larger ones). At least 1."""
+    return max(1, -(-max(0, quota) // max(1, inner_steps)))
+
+
 def pick_blocks(cursor: DataCursor, count: int, *, member: int, members: int, exclude: RangeSet) -> list[int]:
     """Up to ``count`` unapplied blocks for trainer ``member`` of ``members`` (sorted peer ids).
 

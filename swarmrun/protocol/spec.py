@@ -19,9 +19,10 @@ from typing import Any
 from swarmrun.protocol.codec import pack, unpack
 from swarmrun.protocol.errors import (IncompatibleState, LocalProtocolError, RemoteProtocolError, SwarmrunError,
                                       UsageError)
+from swarmrun.protocol.outer import OUTER_DEFAULTS, OUTERS, check_outer, outer_hparams
 
-__all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "COMPRESSIONS", "RUN_ID", "BUDGET_HPARAMS", "check_run_id", "Spec",
-           "SignedSpec", "amend", "choose_spec", "choose_budget", "planned_steps", "budget_reached", "steps_left"]
+__all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "COMPRESSIONS", "OUTERS", "OUTER_DEFAULTS", "RUN_ID", "BUDGET_HPARAMS", "check_run_id", "Spec",
+           "SignedSpec", "amend", "outer_hparams", "choose_spec", "choose_budget", "planned_steps", "budget_reached", "steps_left"]
 
 SPEC_VERSION = 1
 DEFAULT_STEP_TOLERANCE = 0.05
@@ -38,8 +39,9 @@ _REQUIRED_POSITIVE_HPARAMS = ("target_batch_size", "block_size")
 # a run's length: exactly one of them is in its hparams (a spec without total_samples or epochs encodes, and hashes,
 # as it did before they existed). epochs are whole passes over the dataset: epochs * num_examples samples.
 BUDGET_HPARAMS = ("total_steps", "total_samples", "epochs")
-# block_size fixes the unit of data accounting: changing it would orphan the cursor.
-_FIXED_HPARAMS = ("block_size",)
+# block_size fixes the unit of data accounting: changing it would orphan the cursor; outer fixes what the state's
+# optimizer is (the task's, or the outer one).
+_FIXED_HPARAMS = ("block_size", "outer")
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 
 Scalar = str | int | float | bool
@@ -135,6 +137,7 @@ class Spec:
         if not _is_int(self.hparams[budgets[0]]) or self.hparams[budgets[0]] <= 0:
             raise UsageError(f"hparams[{budgets[0]!r}] must be a positive int, got {self.hparams[budgets[0]]!r}")
         _check_compression(self.hparams.get("compression", "none"))
+        check_outer(self.hparams)
         tolerance = self.hparams.get("step_tolerance", DEFAULT_STEP_TOLERANCE)
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
             raise UsageError(f"hparams['step_tolerance'] must be a number in [0, 1), got {tolerance!r}")
@@ -206,6 +209,16 @@ class Spec:
     def compression(self) -> str:
         """The codec of the gradient all-reduce, one of ``COMPRESSIONS`` (``none`` for a spec without one)."""
         return str(self.hparams.get("compression", "none"))
+
+    @property
+    def outer(self) -> str:
+        """How a committed step is made, one of ``OUTERS`` (``none`` for a spec without one)."""
+        return str(self.hparams.get("outer", "none"))
+
+    @property
+    def inner_steps(self) -> int:
+        """Inner optimizer steps each trainer takes per outer step (outer mode; 1 otherwise)."""
+        return int(self.hparams.get("inner_steps", 1))
 
     def to_dict(self) -> dict[str, Any]:
         """Return the plain, msgpack-able form (keys sorted on encode)."""
@@ -342,8 +355,8 @@ def amend(spec: Spec, **changes: Any) -> Spec:
         hparams = {k: v for k, v in hparams.items() if k not in BUDGET_HPARAMS}
     hparams.update(changes)
     for name in _FIXED_HPARAMS:
-        if hparams.get(name) != spec.hparams[name]:
-            raise UsageError(f"{name} is fixed for the life of a run (the data cursor counts blocks of it)")
+        if hparams.get(name) != spec.hparams.get(name):
+            raise UsageError(f"{name} is fixed for the life of a run (the run's state is laid out by it)")
     return dataclasses.replace(spec, hparams=hparams)
 
 

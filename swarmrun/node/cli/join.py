@@ -16,7 +16,8 @@ def add_parsers(sub) -> None:
     j.add_argument("run_id", metavar="RUN_ID", help="the run's identity (letters, digits, '-', '_')")
     j.add_argument("--task", help="create a new run of this task (installed: see `node tasks`)")
     j.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="a task argument or hyperparameter of a new run (repeatable)")
+                   help="a task argument or hyperparameter of a new run (repeatable); outer mode: --set outer=diloco "
+                        "--set inner_steps=H [--set outer_lr=0.7 --set outer_momentum=0.9 --set outer_nesterov=true]")
     j.add_argument("--seed", type=int, default=None, help="the new run's seed (default: a fixed one)")
     j.add_argument("--total-samples", type=int, default=None, metavar="N",
                    help="a new run's length in samples instead of steps (= --set total_samples=N): it ends with the "

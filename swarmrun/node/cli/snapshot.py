@@ -208,7 +208,8 @@ def _import(args, events) -> int:
     state = initial_state(spec, task, "cpu")
     try:
         state.model.load_state_dict(ckpt["model"], strict=True)
-        if ckpt.get("optimizer") is not None:
+        # in outer mode the checkpoint's optimizer is an inner one: the peer's own, not the run's (which starts fresh)
+        if ckpt.get("optimizer") is not None and state.inner is None:
             state.optimizer.load_state_dict(ckpt["optimizer"])
     except (RuntimeError, ValueError, KeyError, TypeError) as e:
         raise IncompatibleState(f"{args.checkpoint} does not fit task {args.task!r}: {str(e).splitlines()[0]}") from None
@@ -219,9 +220,10 @@ def _import(args, events) -> int:
     sched = state.scheduler
     sched.last_epoch = step  # the schedule continues where the checkpoint left it
     if hasattr(sched, "lr_lambdas"):
-        for g, base, fn in zip(state.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        groups = getattr(sched, "optimizer", state.optimizer).param_groups  # outer mode: the inner optimizer's
+        for g, base, fn in zip(groups, sched.base_lrs, sched.lr_lambdas):
             g["lr"] = base * fn(step)
-        sched._last_lr = [g["lr"] for g in state.optimizer.param_groups]
+        sched._last_lr = [g["lr"] for g in groups]
     frozen = state.freeze()
     result = SnapshotStore(args.to).write(frozen, signed_spec=SignedSpec.sign(spec, key.sign).encode(),
                                           writer="import")

@@ -8,7 +8,7 @@ from typing import Mapping
 import torch
 from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.errors import IncompatibleState, UsageError
-from swarmrun.protocol.spec import BUDGET_HPARAMS, Spec, choose_budget
+from swarmrun.protocol.spec import BUDGET_HPARAMS, OUTER_DEFAULTS, Spec, choose_budget, outer_hparams
 from swarmrun.node.state.run import RunState
 from swarmrun.node.tasks.base import Task, load_task_class
 from swarmrun.protocol.errors import TaskError
@@ -51,12 +51,15 @@ def make_spec(*, run_id: str, task_cls: type[Task], sets: Mapping[str, str], see
 
     task_sets = {k: v for k, v in sets.items() if k in task_cls.arg_defaults}
     hp_sets = {k: v for k, v in sets.items() if k in task_cls.hparam_defaults or k in BUDGET_HPARAMS}
-    unknown = sorted(set(sets) - set(task_sets) - set(hp_sets))
+    outer_sets = {k: v for k, v in sets.items() if k in OUTER_DEFAULTS and k not in hp_sets}
+    unknown = sorted(set(sets) - set(task_sets) - set(hp_sets) - set(outer_sets))
     if unknown:
-        known = ", ".join(sorted({*task_cls.arg_defaults, *task_cls.hparam_defaults}))
+        known = ", ".join(sorted({*task_cls.arg_defaults, *task_cls.hparam_defaults, *OUTER_DEFAULTS}))
         raise UsageError(f"unknown --set key(s) {', '.join(unknown)} for task {task_cls.name!r} (known: {known})")
     try:
         hparams = coerce_args(choose_budget(task_cls.hparam_defaults, hp_sets), hp_sets, what="hyperparameter")
+        # outer-mode hparams are in the spec only in outer mode (a default run's spec is as it was before them)
+        hparams.update(outer_hparams(coerce_args(OUTER_DEFAULTS, outer_sets, what="hyperparameter"), given=outer_sets))
         task = task_cls(task_sets, seed)
     except TaskError as e:
         raise UsageError(str(e)) from None
@@ -95,12 +98,21 @@ def build_task_for(spec: Spec) -> Task:
 
 
 def initial_state(spec: Spec, task: Task, device: str) -> RunState:
+    """The run's state at step 0. In outer mode (``spec.outer == "diloco"``) the state's optimizer is the outer one
+    (``outer.make_outer_optimizer``) and the task's optimizer is the peer's own inner one (``RunState.inner``, fresh);
+    the task's schedule, part of the state, drives the inner learning rate by committed step."""
     torch.manual_seed(spec.seed)  # only for tasks that use the global RNG (dropout); models derive from the seed
     model = task.build_model().to(device)
-    optimizer = task.build_optimizer(model, spec.hparams)
+    inner = None
+    if spec.outer == "diloco":
+        from swarmrun.node.peer.outer import Inner, make_outer_optimizer
+        inner = Inner.build(model, task=task, hparams=spec.hparams)
+        optimizer, scheduled = make_outer_optimizer(model, spec.hparams), inner.optimizer
+    else:
+        optimizer = scheduled = task.build_optimizer(model, spec.hparams)
     # under a sample budget the schedule's horizon is the planned number of steps (Spec.total_steps)
-    scheduler = task.build_scheduler(optimizer, {**spec.hparams, "total_steps": spec.total_steps})
+    scheduler = task.build_scheduler(scheduled, {**spec.hparams, "total_steps": spec.total_steps})
     cursor = DataCursor.new(seed=spec.seed, num_examples=spec.num_examples, block_size=spec.block_size,
                             data_fingerprint=spec.data_fingerprint)
     return RunState(model=model, optimizer=optimizer, scheduler=scheduler, step=0, cursor=cursor,
-                    spec_hash=spec.spec_hash(), seed=spec.seed)
+                    spec_hash=spec.spec_hash(), seed=spec.seed, inner=inner)

@@ -155,7 +155,9 @@ def apply_resume(state: RunState, plan: ResumePlan) -> None:
     state.spec_hash = new_hash
     if not plan.changes:
         return
-    sched, groups = state.scheduler, state.optimizer.param_groups
+    sched = state.scheduler
+    # the groups the schedule drives: the state's optimizer's, or in outer mode the inner optimizer's
+    groups = getattr(sched, "optimizer", state.optimizer).param_groups
     if "lr" in plan.changes:
         lr = float(plan.changes["lr"])
         for g in groups:

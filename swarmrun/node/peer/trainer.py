@@ -4,7 +4,8 @@ One asyncio loop; the gradient computation and the optimizer step run in a worke
 and averager run in their own processes and are reached through their public API (MPFutures are awaited).
 What it is made of, each an object of its own: the round and its vote (``rounds.RoundRunner``), the progress
 reporter and the swarm view (``reporter.Reporter``), the served state (``served.ServedState``) and the catch-up
-(``catchup.CatchUp``). The trainer keeps the loop, the accumulation and applying a committed step.
+(``catchup.CatchUp``), the local work of the run's mode (``work``: accumulated gradients, or outer mode's inner
+steps). The trainer keeps the loop and applying a committed step.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from swarmrun.node.peer.catchup import CatchUp
 from swarmrun.node.peer.reporter import Reporter
 from swarmrun.node.peer.rounds import RoundRunner, make_averager
 from swarmrun.node.peer.served import ServedState
+from swarmrun.node.peer.work import make_work, mean_norm
 from swarmrun.node.state.run import FrozenState, RunState
 from swarmrun.node.state.steps import make_step_record
-from swarmrun.node.tasks.base import Task, batch_len, batch_to
+from swarmrun.node.tasks.base import Task
 from swarmrun.protocol.cursor import RangeSet
 from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, Stopped, SwarmrunError
 from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE
@@ -97,6 +99,7 @@ class Trainer:
         self.subkey = subkey = signed_subkey(record_validator(identity), self.peer_id)
         self.device = torch.device(config.device)
         self.params = [p for p in state.model.parameters()]
+        self.work = make_work(spec=spec, task=task, state=state, device=self.device, config=config)
         self.samples = 0  # samples accumulated toward the next step
         self.claimed = RangeSet()  # blocks whose gradients are in the accumulator
         self.quota: Optional[int] = None  # samples this peer brings to the next step (its part of the plan, published)
@@ -276,20 +279,22 @@ class Trainer:
     def _take_blocks(self, quota: int) -> list[int]:
         """The next blocks to compute: a batch, or what is left of this peer's part if less."""
         cursor = self.state.cursor
-        count = max(1, math.ceil(min(self.config.batch_size, quota - self.samples) / cursor.block_size))
+        count = max(1, math.ceil(min(self.work.batch(quota), quota - self.samples) / cursor.block_size))
         leased = self.view.leased(me=self.peer_id, step=self.state.step, data_epoch=cursor.data_epoch)
         members = sorted(set(self.view.trainers) | {self.peer_id})
         return pick_blocks(cursor, count, member=members.index(self.peer_id), members=len(members),
                            exclude=self.claimed.add(leased))
 
     async def _compute_once(self, quota: int) -> None:
+        if self.work.stale(self.state_hash):
+            self._zero_accumulator()
         blocks = self._take_blocks(quota)
         if not blocks:  # every free block of the epoch is applied, held by us or leased: our part is what we hold
             self.spent_at = time.monotonic()
             await asyncio.sleep(self.config.report_interval)
             return
         t0 = time.perf_counter()
-        loss, n = await asyncio.to_thread(self._accumulate, blocks)
+        loss, n = await asyncio.to_thread(self.work.compute, blocks)
         dt = time.perf_counter() - t0
         self.samples += n
         self.claimed = self.claimed.add(RangeSet.from_items(blocks))
@@ -297,22 +302,8 @@ class Trainer:
         rate = n / max(dt, 1e-6)
         self.samples_per_second = rate if self.samples_per_second == 0 else 0.8 * self.samples_per_second + 0.2 * rate
 
-    def _accumulate(self, blocks: list[int]) -> tuple[float, int]:
-        """Add the per-sample sum of gradients of these blocks to ``param.grad`` (runs in a worker thread)."""
-        cursor = self.state.cursor
-        batch = batch_to(self.task.batch_for_blocks(blocks, cursor.block_size), self.device)
-        n = batch_len(batch)
-        model = self.state.model
-        model.train()
-        amp = self.device.type == "cuda" and self.config.mixed_precision
-        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=amp):
-            loss = self.task.loss(model, batch)
-        (loss.float() * n).backward()  # per-sample sum: any batch size weighs right
-        return float(loss.detach()), n
-
     def _zero_accumulator(self) -> None:
-        for p in self.params:
-            p.grad = None
+        self.work.reset(self.state_hash)
         self.samples = 0
         self.claimed = RangeSet()
         self.spent_at = 0.0
@@ -321,15 +312,11 @@ class Trainer:
         self.floor = 0
 
     # ---- the round -----------------------------------------------------------------------------------
-    def _meta(self) -> RoundMeta:
+    def _meta(self, update: Optional[tuple[list, int]] = None) -> RoundMeta:
         return RoundMeta(spec_hash=self.spec.spec_hash(), step=self.state.step, samples=self.samples,
-                         blocks=self.claimed, data_epoch=self.state.cursor.data_epoch, grad_norm=self._grad_norm(),
+                         blocks=self.claimed, data_epoch=self.state.cursor.data_epoch,
+                         grad_norm=mean_norm(update or self.work.update(self.samples)),
                          certificate=self.gate.credentials or b"", ready_at=self.ready_at)
-
-    def _grad_norm(self) -> float:
-        norms = [p.grad.detach().float().norm() for p in self.params if p.grad is not None]
-        value = float(torch.stack(norms).norm()) / max(1, self.samples) if norms else 0.0
-        return value if math.isfinite(value) else -1.0
 
     async def run_round(self) -> None:
         """One attempt at the next step. Commits, or abandons and keeps the accumulated gradients (unless the round
@@ -339,12 +326,13 @@ class Trainer:
         if len(self.view.trainers) <= 1 and self.samples >= self._target():
             await self._commit_alone()
             return
-        meta = self._meta()
+        update = self.work.update(self.samples)
+        meta = self._meta(update)
         if meta.grad_norm < 0:
             logger.warning("local gradient is not finite: dropping it and skipping this round")
             self._zero_accumulator()
             return
-        self.rounds.load([p.grad for p in self.params], self.samples)
+        self.rounds.load(*update)
         plan = self._plan()
         try:
             result = await self.rounds.attempt(meta, cursor=self.state.cursor, target=self._target(),
@@ -359,13 +347,14 @@ class Trainer:
         claims, outcome = result.claims, result.outcome
         if isinstance(result.decision, Commit):
             ready = max([m.ready_at for m in outcome.metas if m.ready_at] or [self.ready_at])
+            mine = self.work.fields()
             await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
             self._after_commit()
             self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=result.seconds,
                                                           vote_s=round(result.vote_seconds, 3), samples=claims.samples,
                                                           blocks=claims.applied.to_list(),
                                                           round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
-                                                          sent_bytes=outcome.sent_bytes))
+                                                          sent_bytes=outcome.sent_bytes, **mine))
             # in the background: the next step's first batch may plan on the older view, the next ones read this one
             self._looking = asyncio.ensure_future(self.reporter.publish_and_read())
         else:
@@ -395,11 +384,13 @@ class Trainer:
             self._zero_accumulator()
             return
         ready = self.ready_at or get_dht_time()
+        mine = self.work.fields()
         await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=False)
         self._after_commit()
         self.events.emit("step", **self._step_fields(group=1, round_s=0.0, samples=claims.samples,
                                                       blocks=claims.applied.to_list(),
-                                                      round_overhead_s=round(max(0.0, get_dht_time() - ready), 3)))
+                                                      round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
+                                                      **mine))
 
     def _apply_step(self, applied: RangeSet, *, from_buffers: bool) -> None:
         """The committed step: the optimizer on the (identical) averaged gradient, then cursor and step advance."""
@@ -407,7 +398,8 @@ class Trainer:
             with self.averager.get_tensors() as buffers:
                 grads = [buf.to(p.device, dtype=p.dtype, copy=True) for p, buf in zip(self.params, buffers)]
         else:
-            grads = [None if p.grad is None else p.grad.div_(max(1, self.samples)) for p in self.params]
+            tensors, divisor = self.work.update(self.samples)
+            grads = [None if g is None else g.div_(max(1, divisor)) for g in tensors]
         before = self.state_hash
         self._optimizer_step(grads, applied)
         self._zero_accumulator()
@@ -427,7 +419,7 @@ class Trainer:
         record, so a replay gives the committers' bits."""
         for p, g in zip(self.params, grads):
             p.grad = None if g is None else g.to(p.device, dtype=p.dtype, copy=True)  # clipping works in place
-        clip = float(self.spec.hparams.get("clip_norm", 0.0))
+        clip = float(self.spec.hparams.get("clip_norm", 0.0)) if self.work.clips_commit else 0.0
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=False)
         self.state.optimizer.step()

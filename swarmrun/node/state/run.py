@@ -124,6 +124,9 @@ class RunState:
     spec_hash: str
     seed: int
     info: dict = field(default_factory=dict)
+    #: outer mode: this peer's inner model and optimizer (``node.peer.outer.Inner``). The peer's own, not part of the
+    #: run's state: never captured, hashed or transferred
+    inner: Any = None
 
     def capture(self) -> tuple[list[tuple[str, torch.Tensor]], dict]:
         """Named CPU copies of every tensor of the state, and the msgpack content (the rest of it)."""

@@ -1,0 +1,130 @@
+"""A trainer's local work between two committed steps: what it does with the gradients of the blocks it computes.
+
+``Accumulate`` adds them up toward one optimizer step (the default mode); ``InnerSteps`` takes inner optimizer steps
+with them on the peer's own copy of the model (outer mode, ``node.peer.outer``). Both hand the round the same kind
+of thing (``update``): a tensor per parameter and the divisor that makes it a mean, weighed by the claimed samples.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from swarmrun.node.peer.outer import Inner
+from swarmrun.node.state.run import RunState
+from swarmrun.node.tasks.base import Task, batch_len, batch_to
+from swarmrun.protocol.errors import IncompatibleState
+from swarmrun.protocol.plan import inner_batch
+from swarmrun.protocol.spec import Spec
+
+
+def backward(task: Task, model: torch.nn.Module, blocks: list[int], *, block_size: int, device: torch.device,
+             mixed_precision: bool) -> tuple[float, int]:
+    """Add the per-sample sum of gradients of these blocks to ``model``'s ``param.grad``; the mean loss and the
+    samples."""
+    batch = batch_to(task.batch_for_blocks(blocks, block_size), device)
+    n = batch_len(batch)
+    model.train()
+    amp = device.type == "cuda" and mixed_precision
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
+        loss = task.loss(model, batch)
+    (loss.float() * n).backward()  # per-sample sum: any batch size weighs right
+    return float(loss.detach()), n
+
+
+def mean_norm(update: tuple[list[Optional[torch.Tensor]], int]) -> float:
+    """The norm of an update's mean (-1 where it is not finite): what a round member declares."""
+    tensors, divisor = update
+    norms = [t.detach().float().norm() for t in tensors if t is not None]
+    value = float(torch.stack(norms).norm()) / max(1, divisor) if norms else 0.0
+    return value if math.isfinite(value) else -1.0
+
+
+class Accumulate:
+    """Gradients accumulate per sample in the run state's ``param.grad``; the commit clips their average."""
+
+    clips_commit = True
+
+    def __init__(self, *, spec: Spec, task: Task, state: RunState, device: torch.device, config):
+        self.spec, self.task, self.state, self.device, self.config = spec, task, state, device, config
+
+    def batch(self, quota: int) -> int:
+        """Samples to compute next (of what is left of this peer's part ``quota``)."""
+        return self.config.batch_size
+
+    def compute(self, blocks: list[int]) -> tuple[float, int]:
+        """Add these blocks' gradients (runs in a worker thread); the mean loss and the samples."""
+        return backward(self.task, self.state.model, blocks, block_size=self.state.cursor.block_size,
+                        device=self.device, mixed_precision=self.config.mixed_precision)
+
+    def update(self, samples: int) -> tuple[list[Optional[torch.Tensor]], int]:
+        """What this peer brings to the round: the per-sample sum of gradients and the samples."""
+        return [p.grad for p in self.state.model.parameters()], samples
+
+    def stale(self, state_hash: str) -> bool:
+        return False
+
+    def reset(self, state_hash: str) -> None:
+        """Drop the local work (after a commit, a re-sync, a refused claim)."""
+        for p in self.state.model.parameters():
+            p.grad = None
+
+    def fields(self) -> dict:
+        return {}
+
+
+class InnerSteps(Accumulate):
+    """Outer mode: each computed batch (this peer's part / ``inner_steps`` samples, in batches of at most
+    ``batch_size``) is one inner step on the peer's inner model; the update is the pseudo-gradient (committed minus
+    inner parameters, a mean already). The inner steps clip their gradients; the commit does not clip."""
+
+    clips_commit = False
+
+    def __init__(self, *, inner: Inner, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = inner
+
+    def batch(self, quota: int) -> int:
+        return inner_batch(quota, self.spec.inner_steps)
+
+    def compute(self, blocks: list[int]) -> tuple[float, int]:
+        per = max(1, self.config.batch_size // self.state.cursor.block_size)
+        total_loss, total = 0.0, 0
+        for i in range(0, len(blocks), per):
+            loss, n = backward(self.task, self.inner.model, blocks[i:i + per], block_size=self.state.cursor.block_size,
+                               device=self.device, mixed_precision=self.config.mixed_precision)
+            total_loss, total = total_loss + loss * n, total + n
+        self.inner.step(total, clip=float(self.spec.hparams.get("clip_norm", 0.0)))
+        return total_loss / max(1, total), total
+
+    def update(self, samples: int) -> tuple[list[Optional[torch.Tensor]], int]:
+        return self.inner.pseudo_gradient(self.state.model), 1
+
+    def stale(self, state_hash: str) -> bool:
+        """Inner work belongs to the committed state it started from: is that another one than ``state_hash``?"""
+        return self.inner.base != state_hash
+
+    def reset(self, state_hash: str) -> None:
+        """Start the inner model again from the committed state, at the schedule's learning rate of its step."""
+        sched = self.state.scheduler
+        self.inner.restart(self.state.model, base=state_hash,
+                           lr=sched.get_last_lr() if hasattr(sched, "get_last_lr") else None)
+
+    def fields(self) -> dict:
+        """The inner steps this peer took toward the step (a field of its step event)."""
+        return {"inner_steps": self.inner.steps}
+
+
+def make_work(*, spec: Spec, task: Task, state: RunState, device: torch.device, config) -> Accumulate:
+    """The local work of the run's mode.
+
+    Raises:
+        IncompatibleState: a run in outer mode with a state not built for it (``build.initial_state``).
+    """
+    if spec.outer == "none":
+        return Accumulate(spec=spec, task=task, state=state, device=device, config=config)
+    if state.inner is None:
+        raise IncompatibleState("a run in outer mode needs a state built for it (build.initial_state)")
+    return InnerSteps(inner=state.inner, spec=spec, task=task, state=state, device=device, config=config)
