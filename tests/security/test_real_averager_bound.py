@@ -63,6 +63,7 @@ async def _declare_and_stream(stranger: Stranger, peer_id: str) -> tuple[int, st
         return sent, f"closed: {type(e).__name__}"
     finally:
         writer.close()
+        await p2p.shutdown()
 
 
 @pytest.mark.timeout(240)
