@@ -37,6 +37,7 @@ class Stranger:
         return self.peer_id.encode() + self.validator.local_public_key
 
     def store(self, key: str, value: bytes, subkey: bytes, ttl: float = 250.0) -> bool:
+        """Stores as hivemind does (its own node among the replicas); the result is the last replica's answer."""
         return bool(self.dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey))
 
     def shutdown(self) -> None:
