@@ -141,5 +141,5 @@ def test_a_stranger_neither_hides_splits_stalls_nor_fakes_the_pause_of_a_real_ru
             abandoned = swarm.events(name, "round_abandoned")
             assert not [e for e in abandoned if STRANGER_REASON in str(e.get("reason"))], abandoned
         print(f"steps {common[0]}..{common[-1]} together; paused at {event['step']}; "
-              f"stranger's votes stored: {forger.stored}; abandoned rounds: "
+              f"stranger's votes stored (attempts): {forger.stored}; abandoned rounds: "
               f"{[len(swarm.events(n, 'round_abandoned')) for n in ('p0', 'p1')]}")
