@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 import time
 
@@ -118,7 +117,7 @@ def test_a_stranger_neither_hides_splits_stalls_nor_fakes_the_pause_of_a_real_ru
             # a joiner joins (the spec from its --peers) and trains with p0
             swarm.join("p1", "--matchmaking-time", "1.0")
             boot = swarm.wait_for("p1", "bootstrapped", timeout=120)
-            swarm.wait_for("p1", "step", timeout=120, step=boot["step"] + 4)
+            _wait_step(swarm, "p1", boot["step"] + 4, timeout=120)
             # a late joiner catches up with the run's newest state through the providers key, and trains
             swarm.join("p2", "--matchmaking-time", "1.0")
             late = swarm.wait_for("p2", "bootstrapped", timeout=120)
