@@ -206,20 +206,80 @@ def _agent(tmp_path, store=None, **config):
 
 def _assignment(**kw):
     base = dict(run_id="r", state="running", task="synthetic", task_args={"total_steps": "9"}, peers=[], leader="w1",
-                step=None)
+                step=None, since=1.0)
     return {"assignment": {**base, **kw}}
 
 
+class _Owner:
+    """The coordinator's side of an agent's admission, without HTTP: a certificate for any peer id, one signed spec."""
+
+    def __init__(self):
+        from swarmrun.coordinator.owner import new_owner_key
+
+        self.key, self.spec, self.posts = new_owner_key(), None, []
+
+    def post(self, path, body=None):
+        import base64
+        import time
+
+        from swarmrun.coordinator.owner import b64, issue_certificate, public_owner_key, sign_spec
+
+        self.posts.append((path, body))
+        _, run_id, what = path.split("/")
+        if what == "certificate":
+            text = issue_certificate(self.key, run_id=run_id, peer_id=body["peer_id"], now=time.time())
+            return {"certificate": text, "owner_key": b64(public_owner_key(self.key)), "spec": self.spec}
+        assert self.spec is None, "a run's spec is signed once"
+        self.spec = b64(sign_spec(self.key, run_id=run_id, task="synthetic", unsigned=base64.b64decode(body["spec"])))
+        return {"spec": self.spec}
+
+
+def _certified_peer(args) -> str:
+    from swarmrun.node.peer.access import read_certificate_file
+    from swarmrun.protocol.access import Certificate
+
+    return Certificate.decode(read_certificate_file(args[args.index("--invite") + 1])).peer_id
+
+
 async def test_the_leader_creates_a_new_run_and_the_others_join_a_running_peer(tmp_path):
-    agent = _agent(tmp_path, store=str(tmp_path / "store"))
+    """The leader starts the run from a spec the coordinator signed (its owner key, invite-only); every peer starts
+    with a certificate for its own peer id; the coordinator's peer is in every peer's --peers."""
+    from swarmrun.coordinator.owner import public_owner_key
+    from swarmrun.node import ensure_identity, peer_id_of, public_key_bytes
+    from swarmrun.node.peer.join import read_spec_file
+
+    owner = _Owner()
+    agent = _agent(tmp_path / "w1", store=str(tmp_path / "store"))
+    agent.client = owner
     await agent._act(_assignment())
-    assert agent.started == [["r", "--task", "synthetic", "--set", "total_steps=9"]]
-    other = _agent(tmp_path)
+    [args] = agent.started
+    assert args[0] == "r" and "--task" not in args and "--set" not in args
+    spec = read_spec_file(args[args.index("--spec") + 1], "r").spec  # verifies the signature
+    assert spec.owner_key == public_owner_key(owner.key) and spec.access == "invite"
+    assert spec.task == "synthetic" and spec.hparams["total_steps"] == 9
+    mine = peer_id_of(public_key_bytes(ensure_identity(tmp_path / "w1" / "runs" / "r")[1]))
+    assert _certified_peer(args) == mine
+    other = _agent(tmp_path / "w2")
+    other.client, other.bootstrap = owner, ["/ip4/127.0.0.1/tcp/9/p2p/QmCoordinator"]
     await other._act(_assignment(leader="w0"))  # not the leader, no peer yet: waits
     await other._act(_assignment(leader="w0", state="pending"))
     assert other.started == []
     await other._act(_assignment(leader="w0", peers=["/ip4/1.2.3.4/tcp/5/p2p/Qm"]))
-    assert other.started == [["r", "--peers", "/ip4/1.2.3.4/tcp/5/p2p/Qm"]]
+    [args] = other.started
+    assert args[:4] == ["r", "--peers", "/ip4/1.2.3.4/tcp/5/p2p/Qm", "/ip4/127.0.0.1/tcp/9/p2p/QmCoordinator"]
+    assert "--spec" not in args and _certified_peer(args) != mine
+
+
+async def test_each_assignment_starts_a_new_peer_id(tmp_path):
+    """A released peer id is revoked for good: the next assignment of the worker to the run starts another one; a
+    restart within one assignment keeps it (its certificate stands)."""
+    agent = _agent(tmp_path, store=str(tmp_path / "store"))
+    agent.client = _Owner()
+    for since in (1.0, 1.0, 2.0):
+        await agent._admission(_assignment(since=since)["assignment"], creating=False)
+    peers = [_certified_peer(["--invite", str(tmp_path / "runs" / "r" / "invite")])]
+    ids = [body["peer_id"] for path, body in agent.client.posts]
+    assert ids[0] == ids[1] != ids[2] and peers == ids[2:]
 
 
 async def test_a_run_with_steps_and_no_snapshot_is_never_restarted_from_its_seed(tmp_path):
@@ -289,3 +349,16 @@ def test_pool_commands_exit_codes(tmp_path):
     assert unreachable.returncode == 3 and json.loads(unreachable.stdout.splitlines()[-1])["event"] == "error"
     assert _node("coordinator", "user", "add", "bad name!", "--state-dir", str(tmp_path)).returncode == 2
     assert _node("agent", "--stop-timeout", "40", "--coordinator", "x", "--token", "t").returncode == 2
+
+
+def test_a_released_certificate_is_revoked_only_after_its_peer_had_time_to_leave():
+    """A revoked peer leaves at once (exit 4): revoking at the release would cut its graceful leave, and the last
+    peer's snapshot, short. The lists hold every certificate released ``revoke_after`` ago or more."""
+    from swarmrun.coordinator.owner import due_revocations
+
+    rows = [dict(run_id="a", peer_id="p1", released_at=100.0), dict(run_id="a", peer_id="p2", released_at=150.0),
+            dict(run_id="b", peer_id="p3", released_at=100.0), dict(run_id="b", peer_id="p4", released_at=None)]
+    assert due_revocations(120.0, rows, revoke_after=60.0) == {}
+    assert due_revocations(160.0, rows, revoke_after=60.0) == {"a": frozenset({"p1"}), "b": frozenset({"p3"})}
+    assert due_revocations(210.0, rows, revoke_after=60.0)["a"] == frozenset({"p1", "p2"})
+    assert due_revocations(100.0, rows, revoke_after=0.0) == {"a": frozenset({"p1"}), "b": frozenset({"p3"})}
