@@ -197,7 +197,7 @@ async def _resolve_spec(opts: JoinOptions, dht: DHT, key, plan: Optional["Resume
         UsageError: a new or resumed run that is live at the given peers. RunNotFound: no such run there.
     """
     if opts.task is not None or opts.spec is not None or plan is not None:
-        if opts.swarm.initial_peers and await fetch_spec(dht, opts.run_id, timeout=2.0,
+        if opts.swarm.initial_peers and await fetch_spec(dht, opts.run_id, timeout=2.0, anchored_only=True,
                                                          anchors=anchor_ids(opts.swarm.initial_peers)) is not None:
             if opts.task is not None:
                 raise UsageError(f"run {opts.run_id!r} already exists at the given peers: join it without --task")
