@@ -111,7 +111,7 @@ async def _run_peer(opts: JoinOptions, events: Events, keep: Optional[dict], sig
         signals.install()  # again: starting hivemind's averager set SIGINT to "ignore" in this process
         events.emit("listening", run_id=spec.run_id, peer_id=peer_id,
                     maddrs=[str(m) for m in dht.get_visible_maddrs()], spec_hash=spec.spec_hash(),
-                    task=spec.task, created=opts.task is not None)
+                    task=spec.task, created=opts.task is not None or opts.spec is not None)
         side = _snapshot_side(opts, trainer, signed, plan, events)
         try:
             await _bootstrap(opts, trainer, plan, events)
