@@ -3,7 +3,8 @@ holds its owner key.
 
 - **owner key**: one per run, made at submission and kept in the registry with the run (one transaction), so a
   coordinator restarted on the same database still owns its runs. It never leaves the coordinator: a worker gets
-  a certificate, never the key.
+  a certificate, never the key. The database holds the keys in the clear (unlike API tokens): whoever reads it
+  can admit peers to every pool run, so it is kept like the coordinator's own identity.
 - **spec**: the leader's agent builds the new run's spec (the task is installed there, not necessarily here) with
   the run's owner key and ``access = invite``; the coordinator checks it names the submitted run and task and
   signs it once (``sign_spec``); the registry keeps the first signed spec, so every start of the run uses the

@@ -85,7 +85,7 @@ class CertificateRow(Base):
     peer_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     worker_id: Mapped[str] = mapped_column(String(64), ForeignKey("workers.worker_id"))
     issued_at: Mapped[float] = mapped_column(Float)
-    released_at: Mapped[float | None] = mapped_column(Float)  # its worker's release: revoked from then on
+    released_at: Mapped[float | None] = mapped_column(Float)  # its worker's release: revoked revoke_after later
 
 
 class EventRow(Base):
