@@ -70,13 +70,22 @@ class PoolPeer:
                 emit("revoked", run_id=run_id, peers=sorted(peers))
         return done
 
+    def alive(self) -> bool:
+        """Whether the DHT's process still runs (agents hand its multiaddrs to every peer they start)."""
+        return self.dht.is_alive()
+
     def _hold(self, registry: Registry, run_id: str):
-        """The run's owner key, held by the DHT (to sign its owner records) and watched (to validate its records)."""
-        from swarmrun.node import hold_owner_keys, load_key, public_key_bytes, watch_runs
+        """The run's owner key, held by the DHT's process to sign the run's owner records.
+
+        The run's records are not watched here (``watch_runs``): one run's schema validator pickles to about 16 KB,
+        which hivemind sends its DHT process in two writes, and the process's pipe reader, made non-blocking by
+        uvloop, can read the first alone, fail, and die on the rest. Every reader of a run's records validates
+        them (``net.validator``), so a record a stranger stores on this node is refused where it would count.
+        """
+        from swarmrun.node import hold_owner_keys, load_key, public_key_bytes
 
         key = load_key(registry.owner_key(run_id))
         if run_id not in self._keys:
             self._keys[run_id] = public_key_bytes(key)
-            hold_owner_keys(self.dht, [key])
-            watch_runs(self.dht, {run_id: self._keys[run_id]})
+            hold_owner_keys(self.dht, [key])  # about 2 KB: one write
         return key
