@@ -164,11 +164,12 @@ async def _placement_loop(registry: Registry, config: CoordinatorConfig, wake: a
         wake.clear()
 
 
-async def _revocation_loop(registry: Registry, peer, config: CoordinatorConfig, emit) -> None:
-    """Publish the runs' revocation lists as they fall due; ends (SwarmrunError) if the coordinator's peer died: the
-    service stops rather than hand agents the address of a dead bootstrap peer."""
+async def _revocation_loop(registry: Registry, peer, config: CoordinatorConfig, emit, stop: Callable[[], None]) -> None:
+    """Publish the runs' revocation lists as they fall due. If the coordinator's peer died, ``stop`` the service and
+    end (SwarmrunError), rather than hand agents the address of a dead bootstrap peer."""
     while True:
         if not await asyncio.to_thread(peer.alive):
+            stop()
             raise SwarmrunError("the coordinator's DHT peer died; restart the coordinator")
         try:
             await peer.publish_due(registry, time.time(), config.revoke_after, emit)
@@ -209,14 +210,12 @@ async def serve(config: CoordinatorConfig, events) -> None:
         events.emit("serving", http=f"http://{config.host}:{config.port}", db=config.db_url, store=config.store,
                     peer_id=peer.peer_id, maddrs=list(peer.maddrs))
         tasks.append(asyncio.create_task(_placement_loop(registry, config, wake, emit)))
-        revocations = asyncio.create_task(_revocation_loop(registry, peer, config, emit))
+        revocations = asyncio.create_task(_revocation_loop(registry, peer, config, emit,
+                                                           stop=lambda: setattr(server, "should_exit", True)))
         tasks.append(revocations)
-        await asyncio.wait({serving, revocations}, return_when=asyncio.FIRST_COMPLETED)
-        if revocations.done():
-            server.should_exit = True
-            await serving
-            revocations.result()  # raises why it ended
         await serving
+        if revocations.done():
+            revocations.result()  # the peer died: raises why the service stopped
     finally:
         for task in tasks:
             task.cancel()
