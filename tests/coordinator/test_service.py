@@ -3,6 +3,7 @@ the agent's view of its assignment through the API; the resident sources."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -362,3 +363,73 @@ def test_a_released_certificate_is_revoked_only_after_its_peer_had_time_to_leave
     assert due_revocations(160.0, rows, revoke_after=60.0) == {"a": frozenset({"p1"}), "b": frozenset({"p3"})}
     assert due_revocations(210.0, rows, revoke_after=60.0)["a"] == frozenset({"p1", "p2"})
     assert due_revocations(100.0, rows, revoke_after=0.0) == {"a": frozenset({"p1"}), "b": frozenset({"p3"})}
+
+
+class _FakeDHT:
+    """What PoolPeer uses of a hivemind DHT: its address, its owner keys, its stores (kept, by key and subkey)."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.peer_id = SimpleNamespace(to_base58=lambda: "QmCoordinator")
+        self.stored, self.validators, self.alive = [], [], True
+
+    def get_visible_maddrs(self):
+        return ["/ip4/127.0.0.1/tcp/9/p2p/QmCoordinator"]
+
+    def add_validators(self, validators):
+        self.validators += validators
+
+    def store(self, key, value, *, subkey, expiration_time, return_future):
+        self.stored.append((key, subkey, value))
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(True)
+        return future
+
+    def is_alive(self):
+        return self.alive
+
+
+async def test_the_coordinators_peer_publishes_each_runs_revocations_under_its_owner_key(registry, clock):
+    """A release becomes a signed revocation list once due, published once per change (and again after a
+    restart: the list comes from the registry), under the run owner's signed subkey, verifiable with the owner's
+    public key as `node invite revoke`'s."""
+    from swarmrun.coordinator.owner import public_owner_key
+    from swarmrun.coordinator.peer import PoolPeer
+    from swarmrun.node import verify_signature
+    from swarmrun.node.net.records import owner_subkey
+    from swarmrun.protocol.access import Revocations, revocation_key
+
+    submit(registry, "r")
+    worker(registry, "w1")
+    registry.assign("w1", "r")
+    registry.certify("r", "w1", "QmPeerOfW1xxxxxxxxxxxxxxxx")
+    registry.unassign("w1", reason="preempt")
+    peer, seen = PoolPeer(_FakeDHT()), _Recorder()
+    assert await peer.publish_due(registry, clock.now + 30, 60.0, seen.emit) == 0  # its peer may still be leaving
+    assert await peer.publish_due(registry, clock.now + 61, 60.0, seen.emit) == 1
+    assert await peer.publish_due(registry, clock.now + 62, 60.0, seen.emit) == 0  # nothing changed
+    owner = public_owner_key(registry.owner_key("r"))
+    [(key, subkey, value)] = peer.dht.stored
+    revocations = Revocations.decode(value)
+    assert key == revocation_key("r") and subkey == owner_subkey(owner)
+    assert revocations.revoked == {"QmPeerOfW1xxxxxxxxxxxxxxxx"} and revocations.verify(owner, verify_signature)
+    assert seen.seen == [("revoked", {"run_id": "r", "peers": ["QmPeerOfW1xxxxxxxxxxxxxxxx"]})]
+    assert len(peer.dht.validators) == 1  # the DHT holds the run's owner key, to sign its owner records
+    restarted = PoolPeer(_FakeDHT())
+    assert await restarted.publish_due(registry, clock.now + 63, 60.0) == 1
+
+
+async def test_a_coordinator_whose_peer_died_stops():
+    """Agents hand every peer the coordinator's peer as bootstrap: the service stops rather than serve a dead one."""
+    from swarmrun.coordinator.service import CoordinatorConfig, _revocation_loop
+    from swarmrun.protocol.errors import SwarmrunError
+
+    from swarmrun.coordinator.peer import PoolPeer
+
+    dht, stopped = _FakeDHT(), []
+    dht.alive = False
+    config = CoordinatorConfig(db_url="sqlite://", store="s", state_dir=".")
+    with pytest.raises(SwarmrunError):
+        await _revocation_loop(None, PoolPeer(dht), config, lambda *a, **k: None, stop=lambda: stopped.append(1))
+    assert stopped == [1]
