@@ -439,8 +439,12 @@ class Registry:
         """
         with self._write() as s:
             key = s.get(_RunKey, run_id)
-            if key is None:
-                raise RunNotFound(f"no run {run_id!r} in this pool")
+            if key is None:  # a run submitted to a coordinator older than its keys: it gets one now
+                self._get_run(s, run_id)
+                from swarmrun.coordinator.owner import new_owner_key
+
+                key = _RunKey(run_id=run_id, owner_key=new_owner_key())
+                s.add(key)
             held = s.scalar(select(_Assignment.run_id).where(_Assignment.worker_id == worker_id))
             if held != run_id:
                 raise AccessRefused(f"worker {worker_id!r} is not assigned to run {run_id!r}: no certificate")

@@ -300,3 +300,21 @@ def test_a_certificate_goes_only_to_an_assigned_worker_and_its_release_revokes_i
         registry.certify("r", "w1", "PeerOfW1xxxxxxxxxxxxxxx")  # released for good: a new assignment, a new id
     registry.certify("r", "w1", "PeerOfW1yyyyyyyyyyyyyyy")
     assert kinds(registry).count("certify") == 2  # one per peer id certified
+
+
+def test_a_run_submitted_before_owner_keys_gets_one_when_first_certified(registry):
+    """A coordinator upgraded on its old database: a run with no key row gets one at its first certificate."""
+    from sqlalchemy import delete
+
+    from swarmrun.coordinator.tables import RunKeyRow
+
+    registry.add_user("alice")
+    registry.submit("alice", sub("r"), owner_key=b"k")
+    registry.register_worker(reg("w1"), owner="alice")
+    registry.assign("w1", "r")
+    with registry._write() as s:
+        s.execute(delete(RunKeyRow))
+    owned = registry.certify("r", "w1", "QmPeerOfW1xxxxxxxxxxxxxxxx")
+    assert owned["owner_key"] == registry.owner_key("r") != b"k"
+    with pytest.raises(RunNotFound):
+        registry.certify("nope", "w1", "QmPeerOfW1xxxxxxxxxxxxxxxx")
