@@ -236,6 +236,7 @@ def test_nothing_committed_is_lost_when_the_writer_is_sigkilled(db_url):
     assert registry.authenticate(token) == User("alice", False)
     assert registry.run("r")["workers"] == ["w1"]
     assert kinds(registry) == ["submit", "register", "assign"]
+    assert len(registry.owner_key("r")) > 1000  # the run's owner key (RSA, DER), made with it, lasts with it
     registry.close()
 
 
