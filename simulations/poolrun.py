@@ -175,7 +175,7 @@ class PoolSimulation:
             k = sum(1 for life in self.rec.lives.values() if life.peer == key and life.key.split("/")[1] == event["run_id"])
             life = Life(key=f"{key}/{event['run_id']}/{k}", peer=key, start=t,
                         resumed="--resume-from" in (event.get("args") or []),
-                        initial="--task" in (event.get("args") or []))
+                        initial=bool({"--task", "--spec"} & set(event.get("args") or ())))  # a new run
             self.rec.lives[life.key] = life
             self.peer_pids[int(event["pid"])] = life.key
         elif kind in ("peer_stopped", "peer_exited"):

@@ -6,6 +6,12 @@ Each peer is a child process in its own session (process group), with its own st
 the last peer of a run that leaves writes its newest state there. A peer is stopped with SIGTERM (to its main process)
 and SIGKILL to its whole group after ``stop_timeout``: the resident gets the machine back within ``stop_timeout`` plus one tick.
 
+Every pool run is invite-only (``owner.py``): before each start the agent asks the coordinator for a certificate
+for the peer's id (its identity in the run's state dir, new for each assignment: a released peer id is revoked for
+good) and passes it with ``--invite``; the leader of a new run builds the run's spec (the task is installed here)
+with the run's owner key, has the coordinator sign it and starts with ``--spec``. Every peer gets the coordinator's
+peer in its ``--peers`` (``bootstrap``): the pool's runs share its DHT, where it publishes their revocations.
+
 The agent decides locally what it can: when the resident returns it stops its peer at once, without waiting for
 the coordinator; when the coordinator is unreachable it keeps its peer training.
 """
@@ -13,6 +19,7 @@ the coordinator; when the coordinator is unreachable it keeps its peer training.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import os
@@ -83,6 +90,7 @@ class Agent:
         self.config, self.client, self.resident, self.events = config, client, resident, events
         self.peer: Optional[_Peer] = None
         self.store: Optional[str] = None
+        self.bootstrap: list[str] = []  # the coordinator's peer
         self.finished: set[str] = set()
         self.unreported: dict[str, dict[str, Any]] = {}  # run id -> the newest report the coordinator did not take
         self.waiting: dict[str, float] = {}  # run id -> when this agent began waiting for its newest snapshot
@@ -132,6 +140,7 @@ class Agent:
     async def _act(self, answer: dict[str, Any]) -> None:
         """Carry out the assignment the coordinator answered with."""
         self.store = answer.get("store") or self.store
+        self.bootstrap = answer.get("bootstrap") or self.bootstrap
         assignment = answer.get("assignment")
         peer = self.peer
         if peer is not None and peer.proc.returncode is not None:
@@ -148,15 +157,15 @@ class Agent:
     async def _maybe_start(self, assignment: dict[str, Any]) -> None:
         run_id = assignment["run_id"]
         args = [run_id]
+        creating = False
         if assignment.get("peers"):
-            args += ["--peers", *assignment["peers"][:4]]
+            args += ["--peers", *assignment["peers"][:4], *self.bootstrap]
         elif assignment.get("leader") == self.config.worker_id:
             step = assignment.get("step") or 0
             resume, snapshot_step = self._snapshot(run_id)
+            args += ["--peers", *self.bootstrap] if self.bootstrap else []
             if resume is None and step == 0:
-                args += ["--task", assignment["task"]]
-                for key, value in sorted((assignment.get("task_args") or {}).items()):
-                    args += ["--set", f"{key}={value}"]
+                creating = True
             elif resume is None or (snapshot_step < step and not self._waited(run_id)):
                 # a run with steps and no live peer: its last peer may still be writing its leave snapshot. Never
                 # restart it from its seed; resume from an older snapshot only after ``snapshot_wait``.
@@ -171,7 +180,44 @@ class Agent:
                 args += ["--resume-from", resume]
         else:
             return  # the leader creates or resumes the run; this worker joins once a peer listens
+        try:
+            args += await self._admission(assignment, creating)
+        except SwarmrunError as e:  # the coordinator is down, or released this worker meanwhile: a later tick
+            logger.warning(f"no certificate for run {run_id}: {e}")
+            self.last_exit = time.monotonic()
+            return
         await self.start_peer(run_id, args)
+
+    async def _admission(self, assignment: dict[str, Any], creating: bool) -> list[str]:
+        """``--invite FILE`` (a certificate for this assignment's peer id) and, for a new run, ``--spec FILE`` (its
+        spec signed by the coordinator), written to the run's state dir.
+
+        Raises:
+            SwarmrunError: the coordinator refused or did not answer.
+        """
+        from swarmrun.node import ensure_identity, peer_id_of, public_key_bytes
+
+        run_id = assignment["run_id"]
+        state_dir = self.config.state_dir / "runs" / run_id
+        state_dir.mkdir(parents=True, exist_ok=True)
+        since = state_dir / "assigned"
+        if not since.exists() or since.read_text() != repr(assignment["since"]):
+            (state_dir / "identity.key").unlink(missing_ok=True)  # a new assignment, a new peer id
+            since.write_text(repr(assignment["since"]))
+        _, key = await asyncio.to_thread(ensure_identity, state_dir)
+        body = {"worker_id": self.config.worker_id, "peer_id": peer_id_of(public_key_bytes(key))}
+        answer = await asyncio.to_thread(self.client.post, f"runs/{run_id}/certificate", body)
+        (state_dir / "invite").write_text(answer["certificate"] + "\n")
+        args = ["--invite", str(state_dir / "invite")]
+        if creating:
+            signed = answer.get("spec")
+            if signed is None:
+                unsigned = await asyncio.to_thread(_unsigned_spec, assignment, base64.b64decode(answer["owner_key"]))
+                body = {"worker_id": self.config.worker_id, "spec": base64.b64encode(unsigned).decode()}
+                signed = (await asyncio.to_thread(self.client.post, f"runs/{run_id}/spec", body))["spec"]
+            (state_dir / "spec").write_bytes(base64.b64decode(signed))
+            args += ["--spec", str(state_dir / "spec")]
+        return args
 
     def _store_of(self, run_id: str) -> Optional[str]:
         return None if not self.store else f"{self.store.rstrip('/')}/{run_id}"
@@ -307,6 +353,25 @@ class Agent:
         self.events.emit("peer_exited", run_id=peer.run_id, exit_code=peer.proc.returncode, left=reason)
         self.peer = None
         self.last_exit = time.monotonic()
+
+
+def _unsigned_spec(assignment: dict[str, Any], owner_key: bytes) -> bytes:
+    """A new pool run's spec, unsigned: its task and arguments as submitted, the coordinator's owner key, invite-only.
+
+    Raises:
+        UsageError: the task is not installed here, or an argument it refuses.
+    """
+    from swarmrun.node import DEFAULT_SEED, load_task_class, make_spec
+    from swarmrun.protocol.errors import TaskError
+
+    try:
+        task_cls = load_task_class(assignment["task"])
+    except TaskError as e:
+        raise UsageError(str(e)) from None
+    sets = {key: str(value) for key, value in (assignment.get("task_args") or {}).items()}
+    spec, _ = make_spec(run_id=assignment["run_id"], task_cls=task_cls, sets=sets, seed=DEFAULT_SEED,
+                        owner_key=owner_key, access="invite")
+    return spec.unsigned_bytes()
 
 
 def _signal_group(pgid: int, sig: int) -> None:

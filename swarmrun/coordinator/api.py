@@ -1,7 +1,8 @@
 """The coordinator's HTTP JSON API: an ASGI app over a ``Registry``.
 
 Users submit and steer runs; agents register workers, send heartbeats (and learn their
-assignment from the answer); peers and agents report progress; the dashboard reads runs,
+assignment from the answer), and get a certificate for the peer they start in the run they are assigned to, and
+the run's signed spec (``coordinator/owner.py``: the coordinator holds every pool run's owner key); peers and agents report progress; the dashboard reads runs,
 workers and events. Every request carries ``Authorization: Bearer TOKEN``: any user may read
 everything, a user may change only their own runs and workers, an admin all of them.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any, Callable
 
 from starlette.applications import Starlette
@@ -28,6 +30,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from swarmrun.coordinator import schema
+from swarmrun.coordinator.owner import b64, issue_certificate, public_owner_key, sign_spec
 from swarmrun.coordinator.registry import RUN_STATES, Registry, User
 from swarmrun.protocol.errors import Conflict, WorkerNotFound
 from swarmrun.protocol.errors import AccessRefused, RunNotFound, SwarmrunError, UsageError
@@ -78,8 +81,9 @@ class _Api:
     """The endpoints, bound to one registry. Each reads, checks, calls the registry in a thread."""
 
     def __init__(self, registry: Registry, on_change: Callable[[], None] | None, max_body_bytes: int,
-                 store: str | None = None) -> None:
+                 store: str | None = None, bootstrap: tuple[str, ...] = ()) -> None:
         self.registry = registry
+        self.bootstrap = list(bootstrap)
         self.on_change = on_change
         self.max_body_bytes = max_body_bytes
         self.store = store
@@ -99,6 +103,7 @@ class _Api:
         half in each, after a coordinator restart)."""
         assignment = answer.get("assignment")
         answer["store"] = self.store
+        answer["bootstrap"] = self.bootstrap  # the coordinator's peer: every pool peer joins the DHT through it
         if assignment is None:
             return answer
         run = await self.call(self.registry.run, assignment["run_id"])
@@ -214,6 +219,31 @@ class _Api:
         report = schema.parse_progress(await self.body(request))
         return JSONResponse({"run": await self.write(self.registry.report_progress, run_id, report)})
 
+    async def certificate(self, request: Request) -> JSONResponse:
+        """A certificate for the peer an assigned worker starts (its peer id), the run's owner key (public) and,
+        once signed, its spec."""
+        user = await self.user(request)
+        run_id = schema.check_name(request.path_params["run_id"])
+        worker_id, peer_id = schema.parse_certificate_request(await self.body(request))
+        await self.owned_worker(worker_id, user, new_ok=False)
+        owned = await self.write(self.registry.certify, run_id, worker_id, peer_id)
+        text = await self.call(issue_certificate, owned["owner_key"], run_id=run_id, peer_id=peer_id, now=time.time())
+        return JSONResponse({"certificate": text, "owner_key": b64(await self.call(public_owner_key, owned["owner_key"])),
+                             "spec": owned["signed_spec"] and b64(owned["signed_spec"])})
+
+    async def spec(self, request: Request) -> JSONResponse:
+        """Sign a new run's spec, built by the agent of a worker assigned to it; the first one signed stays."""
+        user = await self.user(request)
+        run_id = schema.check_name(request.path_params["run_id"])
+        worker_id, unsigned = schema.parse_spec_request(await self.body(request))
+        await self.owned_worker(worker_id, user, new_ok=False)
+        run = await self.call(self.registry.run, run_id)
+        if worker_id not in run["workers"]:
+            raise AccessRefused(f"worker {worker_id!r} is not assigned to run {run_id!r}")
+        owner_key = await self.call(self.registry.owner_key, run_id)
+        signed = await self.call(sign_spec, owner_key, run_id=run_id, task=run["task"], unsigned=unsigned)
+        return JSONResponse({"spec": b64(await self.write(self.registry.set_spec, run_id, signed))})
+
     # Workers
 
     async def register(self, request: Request) -> JSONResponse:
@@ -262,6 +292,7 @@ def make_app(
     registry: Registry, *, on_change: Callable[[], None] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
     store: str | None = None,
     pages: bool = False,
+    bootstrap: tuple[str, ...] = (),
 ) -> Starlette:
     """The API as an ASGI app.
 
@@ -272,8 +303,9 @@ def make_app(
         max_body_bytes: the largest request body accepted (413 above it).
         store: the pool's snapshot store, handed to agents (each run's snapshots go to ``STORE/RUN_ID``).
         pages: also serve the dashboard's pages (``coordinator/web.py``) on the same app.
+        bootstrap: the multiaddrs of the coordinator's own peer, handed to agents for their peers' ``--peers``.
     """
-    api = _Api(registry, on_change, max_body_bytes, store)
+    api = _Api(registry, on_change, max_body_bytes, store, bootstrap)
     routes = [
         Route("/api/runs", api.submit, methods=["POST"]),
         Route("/api/runs", api.list_runs, methods=["GET"]),
@@ -281,6 +313,8 @@ def make_app(
         Route("/api/runs/{run_id}", api.patch_run, methods=["PATCH"]),
         *(Route(f"/api/runs/{{run_id}}/{name}", api.action(name), methods=["POST"]) for name in ("hold", "release", "cancel")),
         Route("/api/runs/{run_id}/progress", api.progress, methods=["POST"]),
+        Route("/api/runs/{run_id}/certificate", api.certificate, methods=["POST"]),
+        Route("/api/runs/{run_id}/spec", api.spec, methods=["POST"]),
         Route("/api/workers", api.list_workers, methods=["GET"]),
         Route("/api/workers/register", api.register, methods=["POST"]),
         Route("/api/workers/{worker_id}/heartbeat", api.heartbeat, methods=["POST"]),

@@ -19,7 +19,12 @@ Event kinds (the dashboard's timelines): ``submit``, ``priority``, ``hold``, ``r
 user's release of a held run), ``cancel``, ``state`` (the loop's pause, resume, start, finish:
 ``detail.reason`` says which), ``progress`` (a reported step), ``register``, ``assign``,
 ``unassign`` (an assignment's end; ``detail.reason``: release, preempt, resident_return, ...),
-``resident_return`` and ``resident_leave`` (the resident's presence as an agent reports it).
+``resident_return`` and ``resident_leave`` (the resident's presence as an agent reports it), ``certify`` (a
+certificate issued to an assigned worker's peer id; ``coordinator/owner.py``).
+
+Isolation's records: each run's owner key (made at submission, in the submission's transaction) and its signed
+spec in ``run_keys``; each certificate issued, and when its worker was released (the revocation follows), in
+``certificates``.
 """
 
 from __future__ import annotations
@@ -33,13 +38,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text, create_engine, event, select
+from sqlalchemy import create_engine, event, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.orm import Session
 
 from swarmrun.coordinator.schema import Heartbeat, Progress, Registration, Submission, check_name
-from swarmrun.protocol.errors import Conflict, RunNotFound, UsageError, WorkerNotFound
+from swarmrun.coordinator.tables import (
+    AssignmentRow as _Assignment, Base as _Base, CertificateRow as _Certificate, EventRow as _Event, RunKeyRow as _RunKey,
+    RunRow as _Run, UserRow as _User, WorkerRow as _Worker,
+)
+from swarmrun.protocol.errors import AccessRefused, Conflict, RunNotFound, UsageError, WorkerNotFound
 
 __all__ = [
     "RUN_STATES",
@@ -62,80 +71,6 @@ _USER_ACTIONS = {
     "release": (("held",), "pending"),
     "cancel": (("pending", "running", "paused", "held"), "cancelled"),
 }
-
-
-class _Base(DeclarativeBase):
-    pass
-
-
-# SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit sequence.
-_Id = BigInteger().with_variant(Integer, "sqlite")
-
-
-class _User(_Base):
-    __tablename__ = "users"
-    id: Mapped[int] = mapped_column(_Id, primary_key=True, autoincrement=True)
-    name: Mapped[str] = mapped_column(String(64), unique=True)
-    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)  # never the token itself
-    admin: Mapped[bool] = mapped_column(Boolean, default=False)
-    created_at: Mapped[float] = mapped_column(Float)
-
-
-class _Run(_Base):
-    __tablename__ = "runs"
-    id: Mapped[int] = mapped_column(_Id, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(String(64), unique=True)
-    owner: Mapped[str] = mapped_column(String(64), ForeignKey("users.name"))
-    task: Mapped[str] = mapped_column(String(128))
-    task_args: Mapped[dict] = mapped_column(JSON)
-    priority: Mapped[int] = mapped_column(Integer)
-    min_peers: Mapped[int] = mapped_column(Integer)
-    max_peers: Mapped[int] = mapped_column(Integer)
-    share: Mapped[float] = mapped_column(Float)
-    need_device: Mapped[str | None] = mapped_column(String(32))
-    need_memory_gib: Mapped[float | None] = mapped_column(Float)
-    total_steps: Mapped[int | None] = mapped_column(BigInteger)
-    state: Mapped[str] = mapped_column(String(16))
-    submitted_at: Mapped[float] = mapped_column(Float)
-    updated_at: Mapped[float] = mapped_column(Float)
-    snapshot_url: Mapped[str | None] = mapped_column(Text)
-    snapshot_step: Mapped[int | None] = mapped_column(BigInteger)
-    step: Mapped[int | None] = mapped_column(BigInteger)
-    loss: Mapped[float | None] = mapped_column(Float)
-    samples_per_second: Mapped[float | None] = mapped_column(Float)
-    peers: Mapped[int | None] = mapped_column(Integer)
-    progress_at: Mapped[float | None] = mapped_column(Float)
-
-
-class _Worker(_Base):
-    __tablename__ = "workers"
-    id: Mapped[int] = mapped_column(_Id, primary_key=True, autoincrement=True)
-    worker_id: Mapped[str] = mapped_column(String(64), unique=True)
-    owner: Mapped[str] = mapped_column(String(64), ForeignKey("users.name"))  # who registered it
-    hostname: Mapped[str] = mapped_column(String(255))
-    resources: Mapped[dict] = mapped_column(JSON)
-    resident_present: Mapped[bool] = mapped_column(Boolean, default=False)
-    registered_at: Mapped[float] = mapped_column(Float)
-    last_seen: Mapped[float] = mapped_column(Float)
-
-
-class _Assignment(_Base):
-    __tablename__ = "assignments"
-    # The primary key is the worker: the database itself keeps a worker in at most one run.
-    worker_id: Mapped[str] = mapped_column(String(64), ForeignKey("workers.worker_id"), primary_key=True)
-    run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.run_id"), index=True)
-    since: Mapped[float] = mapped_column(Float)
-
-
-class _Event(_Base):
-    __tablename__ = "events"
-    id: Mapped[int] = mapped_column(_Id, primary_key=True, autoincrement=True)
-    time: Mapped[float] = mapped_column(Float)
-    kind: Mapped[str] = mapped_column(String(32))
-    run_id: Mapped[str | None] = mapped_column(String(64))
-    worker_id: Mapped[str | None] = mapped_column(String(64))
-    detail: Mapped[dict] = mapped_column(JSON)
-    __table_args__ = (Index("ix_events_run_id_id", "run_id", "id"),)
 
 
 @dataclass(frozen=True)
@@ -241,8 +176,13 @@ class Registry:
 
     # Runs
 
-    def submit(self, owner: str, sub: Submission) -> dict[str, Any]:
-        """Record a new pending run of ``owner``; returns its row. Raises Conflict if the id is taken."""
+    def submit(self, owner: str, sub: Submission, *, owner_key: bytes | None = None) -> dict[str, Any]:
+        """Record a new pending run of ``owner`` with its owner key (``owner_key``: DER bytes, made here when None);
+        returns its row. Raises Conflict if the id is taken."""
+        if owner_key is None:
+            from swarmrun.coordinator.owner import new_owner_key
+
+            owner_key = new_owner_key()
         now = self._clock()
         try:
             with self._write() as s:
@@ -255,6 +195,8 @@ class Registry:
                     total_steps=sub.total_steps, state="pending", submitted_at=now, updated_at=now,
                 )  # fmt: skip
                 s.add(run)
+                s.flush()  # the run's row before its key's (the foreign key)
+                s.add(_RunKey(run_id=sub.run_id, owner_key=owner_key))
                 self._event(s, "submit", run_id=sub.run_id, owner=owner, priority=sub.priority,
                             min_peers=sub.min_peers, max_peers=sub.max_peers)  # fmt: skip
                 s.flush()
@@ -470,8 +412,68 @@ class Registry:
             if assignment is None:
                 return None
             s.delete(assignment)
+            s.execute(update(_Certificate)
+                      .where(_Certificate.run_id == assignment.run_id, _Certificate.worker_id == worker_id,
+                             _Certificate.released_at.is_(None))
+                      .values(released_at=self._clock()))
             self._event(s, "unassign", run_id=assignment.run_id, worker_id=worker_id, reason=reason)
             return assignment.run_id
+
+    # Isolation: owner keys, specs, certificates
+
+    def owner_key(self, run_id: str) -> bytes:
+        """The run's owner key (private, DER). Raises RunNotFound."""
+        with self._read() as s:
+            key = s.scalar(select(_RunKey.owner_key).where(_RunKey.run_id == run_id))
+            if key is None:
+                raise RunNotFound(f"no run {run_id!r} in this pool")
+            return bytes(key)
+
+    def certify(self, run_id: str, worker_id: str, peer_id: str) -> dict[str, Any]:
+        """Record a certificate for ``peer_id``, the peer ``worker_id`` starts in ``run_id``; returns the run's
+        ``owner_key`` and ``signed_spec`` (None before its first start) to issue it with.
+
+        Raises:
+            RunNotFound; AccessRefused: the worker is not assigned to the run, or the peer id is another worker's;
+            Conflict: the peer id was released from the run (its certificate is revoked for good).
+        """
+        with self._write() as s:
+            key = s.get(_RunKey, run_id)
+            if key is None:  # a run submitted to a coordinator older than its keys: it gets one now
+                self._get_run(s, run_id)
+                from swarmrun.coordinator.owner import new_owner_key
+
+                key = _RunKey(run_id=run_id, owner_key=new_owner_key())
+                s.add(key)
+            held = s.scalar(select(_Assignment.run_id).where(_Assignment.worker_id == worker_id))
+            if held != run_id:
+                raise AccessRefused(f"worker {worker_id!r} is not assigned to run {run_id!r}: no certificate")
+            cert = s.get(_Certificate, (run_id, peer_id))
+            if cert is not None and cert.worker_id != worker_id:
+                raise AccessRefused(f"peer {peer_id} is another worker's")
+            if cert is not None and cert.released_at is not None:
+                raise Conflict(f"peer {peer_id} was released from run {run_id!r}: each assignment starts a new peer id")
+            if cert is None:
+                s.add(_Certificate(run_id=run_id, peer_id=peer_id, worker_id=worker_id, issued_at=self._clock()))
+                self._event(s, "certify", run_id=run_id, worker_id=worker_id, peer_id=peer_id)
+            return {"owner_key": bytes(key.owner_key), "signed_spec": key.signed_spec and bytes(key.signed_spec)}
+
+    def set_spec(self, run_id: str, signed_spec: bytes) -> bytes:
+        """Keep a run's signed spec unless it has one; returns the one kept (the first: a run has one spec)."""
+        with self._write() as s:
+            key = s.get(_RunKey, run_id)
+            if key is None:
+                raise RunNotFound(f"no run {run_id!r} in this pool")
+            if key.signed_spec is None:
+                key.signed_spec = signed_spec
+            return bytes(key.signed_spec)
+
+    def released_certificates(self) -> list[dict[str, Any]]:
+        """Every certificate whose worker was released (``run_id``, ``peer_id``, ``released_at``): what the runs'
+        revocation lists are made of (``owner.due_revocations``)."""
+        with self._read() as s:
+            query = select(_Certificate).where(_Certificate.released_at.is_not(None)).order_by(_Certificate.run_id)
+            return [_row(c, exclude=()) for c in s.scalars(query)]
 
     def pool(self) -> PoolRows:
         """Runs, workers and assignments in one consistent read: what placement plans from."""

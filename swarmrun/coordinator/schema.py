@@ -33,6 +33,8 @@ __all__ = [
     "parse_heartbeat",
     "parse_progress",
     "parse_patch",
+    "parse_certificate_request",
+    "parse_spec_request",
 ]
 
 RUN_ID_RE = RUN_ID
@@ -272,3 +274,26 @@ def parse_patch(body: Any) -> int:
     """The new priority from a ``PATCH /api/runs/{id}`` body (the only field a user may change)."""
     body = _object(body, {"priority"}, {"priority"})
     return parse_priority(body["priority"])
+
+
+def parse_certificate_request(body: Any) -> tuple[str, str]:
+    """(worker_id, peer_id) from a ``POST /api/runs/{id}/certificate`` body: the peer an assigned worker starts."""
+    from swarmrun.coordinator.owner import check_peer_id
+
+    body = _object(body, {"worker_id", "peer_id"}, {"worker_id", "peer_id"})
+    return check_name(body["worker_id"], "worker_id"), check_peer_id(body["peer_id"])
+
+
+def parse_spec_request(body: Any) -> tuple[str, bytes]:
+    """(worker_id, unsigned spec bytes) from a ``POST /api/runs/{id}/spec`` body (``spec``: base64)."""
+    import base64
+    import binascii
+
+    body = _object(body, {"worker_id", "spec"}, {"worker_id", "spec"})
+    if not isinstance(body["spec"], str) or not body["spec"]:
+        raise UsageError("spec must be the unsigned spec's bytes in base64")
+    try:
+        spec = base64.b64decode(body["spec"], validate=True)
+    except (binascii.Error, ValueError):
+        raise UsageError("spec must be the unsigned spec's bytes in base64") from None
+    return check_name(body["worker_id"], "worker_id"), spec

@@ -7,8 +7,13 @@ so a user's hold or cancel that lands between the read and the write wins). Ever
 the registry's database, so a coordinator killed with SIGKILL and restarted on the same database goes on where it
 was; the agents keep their peers training meanwhile (a heartbeat that fails changes nothing on a workstation).
 
-Not here (yet): the coordinator's own keeper DHT peer of every pool run, and per-run owner keys with invite-only
-admission (pool runs are open runs on the lab's network; see the issue).
+Isolation (``owner.py``): every pool run is invite-only and the coordinator holds its owner key; it certifies the
+peer an assigned worker starts and revokes that certificate after the worker's release. Its own DHT peer
+(``peer.PoolPeer``, started and shut down with the service) is the bootstrap point of every pool run and publishes
+the runs' revocation lists.
+
+Not here (yet): that peer as a keeper of each run's newest state (a run with no trainer left still has a
+provider); see the issue.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from swarmrun.coordinator.owner import REVOKE_AFTER
 from swarmrun.coordinator.placement import (
     Assign, Assignment, Needs, Pause, Policy, PoolRun, Release, Resume, RunState, Worker, plan,
 )
@@ -34,13 +40,18 @@ _GIB = 2**30
 
 @dataclass(frozen=True, kw_only=True)
 class CoordinatorConfig:
-    """One coordinator: where it listens, its database and store, how often it places."""
+    """One coordinator: where it listens (HTTP, and its peer's ``listen``/``announce`` multiaddrs), its state dir
+    (its peer's identity), database and store, how often it places, how long after a release it revokes."""
 
     host: str = "127.0.0.1"
     port: int = 8470
     db_url: str
     store: str
+    state_dir: Path
+    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce: tuple[str, ...] = ()
     placement_interval: float = 1.0
+    revoke_after: float = REVOKE_AFTER
     policy: Policy = Policy()
 
 
@@ -153,34 +164,64 @@ async def _placement_loop(registry: Registry, config: CoordinatorConfig, wake: a
         wake.clear()
 
 
+async def _revocation_loop(registry: Registry, peer, config: CoordinatorConfig, emit, stop: Callable[[], None]) -> None:
+    """Publish the runs' revocation lists as they fall due. If the coordinator's peer died, ``stop`` the service and
+    end (SwarmrunError), rather than hand agents the address of a dead bootstrap peer."""
+    while True:
+        if not await asyncio.to_thread(peer.alive):
+            stop()
+            raise SwarmrunError("the coordinator's DHT peer died; restart the coordinator")
+        try:
+            await peer.publish_due(registry, time.time(), config.revoke_after, emit)
+        except Exception as e:  # published on a later pass (STYLE 5): the registry holds what is due
+            logger.warning(f"publishing revocations failed: {type(e).__name__}: {e}")
+        await asyncio.sleep(config.placement_interval)
+
+
 async def serve(config: CoordinatorConfig, events) -> None:
     """Run the coordinator until cancelled (SIGINT/SIGTERM stop uvicorn, which ends this)."""
     import uvicorn
 
     from swarmrun.coordinator.api import make_app
+    from swarmrun.coordinator.peer import PoolPeer
 
+    sock = _bind(config.host, config.port)  # first, not in uvicorn: a busy port is a usage error (exit 2)
+    try:
+        peer = await asyncio.to_thread(PoolPeer.start, config.state_dir / "peer", listen=config.listen,
+                                       announce=config.announce)
+    except BaseException:
+        sock.close()
+        raise
     registry = Registry(config.db_url)
     wake = asyncio.Event()
-    app = make_app(registry, on_change=wake.set, store=config.store, pages=True)  # the dashboard on the same server
+    app = make_app(registry, on_change=wake.set, store=config.store, pages=True,  # the dashboard on the same server
+                   bootstrap=peer.maddrs)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            lifespan="off", access_log=False))
 
     def emit(kind: str, **fields) -> None:
         events.emit(kind, **fields)
 
-    loop_task: Optional[asyncio.Task] = None
+    tasks: list[asyncio.Task] = []
     try:
-        sock = _bind(config.host, config.port)  # here, not in uvicorn: a busy port is a usage error (exit 2)
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
-        events.emit("serving", http=f"http://{config.host}:{config.port}", db=config.db_url, store=config.store)
-        loop_task = asyncio.create_task(_placement_loop(registry, config, wake, emit))
+        events.emit("serving", http=f"http://{config.host}:{config.port}", db=config.db_url, store=config.store,
+                    peer_id=peer.peer_id, maddrs=list(peer.maddrs))
+        tasks.append(asyncio.create_task(_placement_loop(registry, config, wake, emit)))
+        revocations = asyncio.create_task(_revocation_loop(registry, peer, config, emit,
+                                                           stop=lambda: setattr(server, "should_exit", True)))
+        tasks.append(revocations)
         await serving
+        if revocations.done():
+            revocations.result()  # the peer died: raises why the service stopped
     finally:
-        if loop_task is not None:
-            loop_task.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         registry.close()
+        await asyncio.to_thread(peer.shutdown)
 
 
 def _bind(host: str, port: int):

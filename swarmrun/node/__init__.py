@@ -28,6 +28,10 @@ _EXPORTS = {
     "public_key_bytes": "net.swarm", "record_validator": "net.swarm", "run_validators": "net.swarm", "signed_subkey": "net.swarm",
     "kill_descendants": "runtime", "read_view": "net.records", "read_providers": "net.records",
     "fetch_spec": "net.records", "owner_session": "net.records",
+    # owning runs from elsewhere (the pool's coordinator holds one owner key per run)
+    "new_key": "net.swarm", "key_bytes": "net.swarm", "load_key": "net.swarm", "hold_owner_keys": "net.swarm",
+    "peer_id_of": "net.swarm", "verify_signature": "net.swarm", "publish_revocations": "net.records",
+    "watch_runs": "net.validator", "certificate_text": "peer.access",
     # state transfer
     "StateServer": "net.serve", "admit_open": "net.serve", "Fetcher": "net.fetch", "FetchFailed": "net.fetch",
     # peers as processes (tests, the demo, the churn harness, the pool's agent)

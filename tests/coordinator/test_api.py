@@ -242,3 +242,45 @@ async def test_what_the_api_wrote_is_served_again_after_a_restart(db_url, clock)
         after = (await c.get("/api/runs/big")).json(), (await c.get("/api/events")).json()
     second.close()
     assert after == before and before[0]["run"]["run_id"] == "big"
+
+
+async def test_an_assigned_workers_agent_gets_a_certificate_and_the_runs_signed_spec(pool, tmp_path):
+    """Isolation through the API: a certificate only for a worker assigned to the run, signed with the run's owner
+    key; the spec the leader's agent built is signed once, and a spec of another owner or policy is refused."""
+    import base64
+    import time
+
+    from swarmrun.coordinator.agent import _unsigned_spec
+    from swarmrun.node import verify_signature
+    from swarmrun.protocol.access import admit
+    from swarmrun.node.peer.access import read_certificate_file
+    from swarmrun.protocol.spec import SignedSpec
+
+    peer = "QmPeerOfW1xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+    async with pool.client("alice") as alice, pool.client("bob") as bob:
+        assert (await alice.post("/api/runs", json=submission("r", task_args={"total_steps": 9}))).status_code == 201
+        r = await alice.post("/api/workers/register", json={"worker_id": "w1", "hostname": "h", "resources": RESOURCES})
+        assert r.status_code == 200 and r.json()["bootstrap"] == []
+        body = {"worker_id": "w1", "peer_id": peer}
+        assert_error(await alice.post("/api/runs/r/certificate", json=body), 403, "forbidden")  # not assigned yet
+        pool.registry.assign("w1", "r")
+        assert_error(await bob.post("/api/runs/r/certificate", json=body), 403, "forbidden")  # alice's worker
+        assert_error(await alice.post("/api/runs/r/certificate", json={**body, "peer_id": "x/y"}), 422, "invalid")
+        r = await alice.post("/api/runs/r/certificate", json=body)
+        assert r.status_code == 200 and r.json()["spec"] is None
+        owner_key = base64.b64decode(r.json()["owner_key"])
+        (tmp_path / "invite").write_text(r.json()["certificate"])
+        cert = read_certificate_file(tmp_path / "invite")
+        assert admit(access="invite", run_id="r", owner_key=owner_key, peer_id=peer, credentials=cert, now=time.time(),
+                     verifier=verify_signature) is None
+        assignment = {"run_id": "r", "task": "synthetic", "task_args": {"total_steps": 9}}
+        good = _unsigned_spec(assignment, owner_key)
+        for bad in (_unsigned_spec(assignment, b"ssh-rsa AAAA another"), _unsigned_spec({**assignment, "run_id": "s"}, owner_key)):
+            r = await alice.post("/api/runs/r/spec", json={"worker_id": "w1", "spec": base64.b64encode(bad).decode()})
+            assert_error(r, 422, "invalid")
+        r = await alice.post("/api/runs/r/spec", json={"worker_id": "w1", "spec": base64.b64encode(good).decode()})
+        signed = SignedSpec.decode(base64.b64decode(r.json()["spec"]))
+        signed.verify(verify_signature)
+        assert signed.spec.owner_key == owner_key and signed.spec.access == "invite"
+        again = await alice.post("/api/runs/r/certificate", json=body)
+        assert again.json()["spec"] == r.json()["spec"]  # every later start gets the same spec

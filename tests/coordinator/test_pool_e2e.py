@@ -2,6 +2,10 @@
 one `synthetic` run of 1 to 2 peers; a resident returns and gets the machine back; the coordinator is SIGKILLed
 and restarted on the same SQLite database and has lost nothing.
 
+Isolation on the way: the run is invite-only with the coordinator's owner key; each assigned peer trains with a
+certificate the coordinator issued to its peer id; a stranger without one is refused, and so is the released
+worker's peer once the coordinator revoked its certificate.
+
 Every process this test starts runs in its own process group (the agents' peers in theirs, which the agents report
 in ``peer_started``); all of them are killed at the end and the test checks none is left."""
 
@@ -74,6 +78,49 @@ def _wait(check, bound: float, what: str):
     raise AssertionError(f"{what}: not within {bound} s")
 
 
+def _json_lines(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _peer_ids(run_dir: Path) -> list[str]:
+    """The peer ids of the peers an agent started in a run's state dir (their `listening` events), oldest first."""
+    files = sorted(run_dir.glob("peer-*.jsonl"), key=lambda f: f.stat().st_mtime)
+    return [e["peer_id"] for f in files for e in _json_lines(f.read_text()) if e.get("event") == "listening"]
+
+
+def _refused(name: str, args: list[str], workdir: Path, env: dict) -> dict:
+    """`node join` a peer that must be refused: exit code 4 (access refused); returns its error event."""
+    proc = subprocess.run([*NODE, "join", *args, "--json"], env=env, capture_output=True, text=True, timeout=240,
+                          cwd=workdir)
+    (workdir / f"{name}.log").write_text(proc.stderr)
+    assert proc.returncode == 4, f"{name} exited with {proc.returncode}: {proc.stdout[-2000:]}"
+    return [e for e in _json_lines(proc.stdout) if e.get("event") == "error"][-1]
+
+
+def _check_certified(agent_dir: Path, events: list[dict]) -> None:
+    """The agent's peer trains with a certificate the coordinator issued to its peer id, in an invite-only run whose
+    owner is the coordinator's key (not the peer's)."""
+    from swarmrun.node import ensure_identity, public_key_bytes, verify_signature
+    from swarmrun.node.peer.access import read_certificate_file
+    from swarmrun.node.peer.join import read_spec_file
+    from swarmrun.protocol.access import admit
+
+    run_dir = agent_dir / "runs" / "r1"
+    spec = read_spec_file(str(run_dir / "spec"), "r1").spec if (run_dir / "spec").exists() else None
+    peer_id = _peer_ids(run_dir)[-1]
+    if spec is not None:
+        assert spec.access == "invite" and spec.owner_key != public_key_bytes(ensure_identity(run_dir)[1])
+        assert admit(access="invite", run_id="r1", owner_key=spec.owner_key, peer_id=peer_id, now=time.time(),
+                     credentials=read_certificate_file(run_dir / "invite"), verifier=verify_signature) is None
+    assert any("--invite" in e["args"] for e in events)
+
+
 def test_pool_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     coord_dir = tmp_path / "coordinator"
@@ -85,7 +132,8 @@ def test_pool_end_to_end(tmp_path):
     client = Client(url, token)
     script = tmp_path / "resident.json"
     script.write_text(json.dumps([[0, False]]))  # w1's resident stays away
-    coordinator_args = ["coordinator", "--state-dir", str(coord_dir), "--http", f"127.0.0.1:{port}"]
+    coordinator_args = ["coordinator", "--state-dir", str(coord_dir), "--http", f"127.0.0.1:{port}",
+                        "--listen", f"/ip4/127.0.0.1/tcp/{_free_port()}", "--revoke-after", "10"]
     procs: list[Proc] = []
     try:
         coordinator = Proc("coordinator", coordinator_args, tmp_path, env)
@@ -106,6 +154,17 @@ def test_pool_end_to_end(tmp_path):
         step0 = _wait(lambda: client.get("runs/r1")["run"]["step"], START_BOUND, "a committed step reported")
         assert client.get("runs/r1")["run"]["workers"] == ["w1", "w2"]
 
+        # isolation: the leader created the run from the coordinator's signed spec (invite-only, the coordinator's
+        # key); both peers train with certificates it issued; a stranger with no certificate is refused
+        assert "--spec" in w1.events("peer_started")[0]["args"] and "--task" not in w1.events("peer_started")[0]["args"]
+        _check_certified(tmp_path / "w1", w1.events("peer_started"))
+        _check_certified(tmp_path / "w2", w2.events("peer_started"))
+        w1_maddr = w1.events("peer_listening")[-1]["maddr"]
+        coordinator_maddrs = coordinator.wait_event("serving", 1)["maddrs"]
+        refused = _refused("stranger", ["r1", "--peers", w1_maddr, *coordinator_maddrs, "--state-dir",
+                                        str(tmp_path / "stranger")], tmp_path, env)
+        assert "invite-only and no certificate" in refused["message"]
+
         # w2's resident returns: its agent stops its peer within the bound, the run goes on with w1
         subprocess.run([*NODE, "agent", "busy", "--state-dir", str(tmp_path / "w2")], env=env, check=True)
         stopped = w2.wait_event("peer_stopped", HANDBACK_BOUND, lambda e: e["run_id"] == "r1")
@@ -113,6 +172,14 @@ def test_pool_end_to_end(tmp_path):
         _wait(lambda: client.get("runs/r1")["run"]["workers"] == ["w1"], 30, "w2 released in the registry")
         _wait(lambda: (client.get("runs/r1")["run"]["step"] or 0) > step0, START_BOUND, "the run goes on after w2 left")
         assert client.get("runs/r1")["run"]["state"] == "running"
+
+        # the released worker's peer is revoked: back with its old certificate, it is refused
+        w2_dir = tmp_path / "w2" / "runs" / "r1"
+        w2_id = _peer_ids(w2_dir)[-1]
+        coordinator.wait_event("revoked", 60, lambda e: w2_id in e["peers"])
+        refused = _refused("revoked", ["r1", "--peers", w1_maddr, *coordinator_maddrs, "--state-dir", str(w2_dir),
+                                       "--invite", str(w2_dir / "invite")], tmp_path, env)
+        assert "revoked" in refused["message"]
 
         # the coordinator dies; w1's peer trains on; a restarted coordinator on the same database lost nothing
         w1_peer = w1.events("peer_started")[-1]["pid"]

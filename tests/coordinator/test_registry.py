@@ -236,6 +236,7 @@ def test_nothing_committed_is_lost_when_the_writer_is_sigkilled(db_url):
     assert registry.authenticate(token) == User("alice", False)
     assert registry.run("r")["workers"] == ["w1"]
     assert kinds(registry) == ["submit", "register", "assign"]
+    assert len(registry.owner_key("r")) > 1000  # the run's owner key (RSA, DER), made with it, lasts with it
     registry.close()
 
 
@@ -248,3 +249,73 @@ def test_sqlite_runs_in_wal_mode_with_full_sync(tmp_path):
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
         assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
     registry.close()
+
+
+def test_each_run_keeps_its_own_owner_key_through_a_reopen(db_url, clock):
+    """Isolation's records last like the rest: the owner key made at submission, the first signed spec."""
+    first = Registry(db_url, clock=clock)
+    first.add_user("alice")
+    first.submit("alice", sub("a"))
+    first.submit("alice", sub("b"), owner_key=b"key of b")
+    key_a = first.owner_key("a")
+    assert key_a != first.owner_key("b") == b"key of b"
+    assert first.set_spec("a", b"signed 1") == b"signed 1"
+    assert first.set_spec("a", b"signed 2") == b"signed 1"  # a run has one spec: the first signed
+    first.close()
+    second = Registry(db_url, clock=clock)
+    assert second.owner_key("a") == key_a and second.owner_key("b") == b"key of b"
+    with pytest.raises(RunNotFound):
+        second.owner_key("nope")
+    second.close()
+
+
+def test_a_certificate_goes_only_to_an_assigned_worker_and_its_release_revokes_it(registry, clock):
+    from swarmrun.protocol.errors import AccessRefused
+
+    registry.add_user("alice")
+    registry.submit("alice", sub("r"), owner_key=b"k")
+    registry.submit("alice", sub("other"), owner_key=b"k2")
+    for w in ("w1", "w2"):
+        registry.register_worker(reg(w), owner="alice")
+    registry.assign("w1", "r")
+    with pytest.raises(AccessRefused):
+        registry.certify("r", "w2", "PeerOfW2xxxxxxxxxxxxxxx")  # not assigned to the run
+    registry.assign("w2", "other")
+    with pytest.raises(AccessRefused):
+        registry.certify("r", "w2", "PeerOfW2xxxxxxxxxxxxxxx")  # assigned to another run
+    owned = registry.certify("r", "w1", "PeerOfW1xxxxxxxxxxxxxxx")
+    assert owned == {"owner_key": b"k", "signed_spec": None}
+    assert registry.certify("r", "w1", "PeerOfW1xxxxxxxxxxxxxxx") == owned  # a restarted peer: the same id again
+    registry.unassign("w2")
+    registry.assign("w2", "r")
+    with pytest.raises(AccessRefused):
+        registry.certify("r", "w2", "PeerOfW1xxxxxxxxxxxxxxx")  # another worker's peer id
+    assert registry.released_certificates() == []
+    clock.advance(5)
+    registry.unassign("w1", reason="preempt")
+    released = registry.released_certificates()
+    assert [(c["run_id"], c["peer_id"], c["worker_id"], c["released_at"]) for c in released] == [
+        ("r", "PeerOfW1xxxxxxxxxxxxxxx", "w1", clock.now)]
+    registry.assign("w1", "r")
+    with pytest.raises(Conflict):
+        registry.certify("r", "w1", "PeerOfW1xxxxxxxxxxxxxxx")  # released for good: a new assignment, a new id
+    registry.certify("r", "w1", "PeerOfW1yyyyyyyyyyyyyyy")
+    assert kinds(registry).count("certify") == 2  # one per peer id certified
+
+
+def test_a_run_submitted_before_owner_keys_gets_one_when_first_certified(registry):
+    """A coordinator upgraded on its old database: a run with no key row gets one at its first certificate."""
+    from sqlalchemy import delete
+
+    from swarmrun.coordinator.tables import RunKeyRow
+
+    registry.add_user("alice")
+    registry.submit("alice", sub("r"), owner_key=b"k")
+    registry.register_worker(reg("w1"), owner="alice")
+    registry.assign("w1", "r")
+    with registry._write() as s:
+        s.execute(delete(RunKeyRow))
+    owned = registry.certify("r", "w1", "QmPeerOfW1xxxxxxxxxxxxxxxx")
+    assert owned["owner_key"] == registry.owner_key("r") != b"k"
+    with pytest.raises(RunNotFound):
+        registry.certify("nope", "w1", "QmPeerOfW1xxxxxxxxxxxxxxxx")

@@ -3,6 +3,7 @@ the agent's view of its assignment through the API; the resident sources."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -234,20 +235,80 @@ def _agent(tmp_path, store=None, **config):
 
 def _assignment(**kw):
     base = dict(run_id="r", state="running", task="synthetic", task_args={"total_steps": "9"}, peers=[], leader="w1",
-                step=None)
+                step=None, since=1.0)
     return {"assignment": {**base, **kw}}
 
 
+class _Owner:
+    """The coordinator's side of an agent's admission, without HTTP: a certificate for any peer id, one signed spec."""
+
+    def __init__(self):
+        from swarmrun.coordinator.owner import new_owner_key
+
+        self.key, self.spec, self.posts = new_owner_key(), None, []
+
+    def post(self, path, body=None):
+        import base64
+        import time
+
+        from swarmrun.coordinator.owner import b64, issue_certificate, public_owner_key, sign_spec
+
+        self.posts.append((path, body))
+        _, run_id, what = path.split("/")
+        if what == "certificate":
+            text = issue_certificate(self.key, run_id=run_id, peer_id=body["peer_id"], now=time.time())
+            return {"certificate": text, "owner_key": b64(public_owner_key(self.key)), "spec": self.spec}
+        assert self.spec is None, "a run's spec is signed once"
+        self.spec = b64(sign_spec(self.key, run_id=run_id, task="synthetic", unsigned=base64.b64decode(body["spec"])))
+        return {"spec": self.spec}
+
+
+def _certified_peer(args) -> str:
+    from swarmrun.node.peer.access import read_certificate_file
+    from swarmrun.protocol.access import Certificate
+
+    return Certificate.decode(read_certificate_file(args[args.index("--invite") + 1])).peer_id
+
+
 async def test_the_leader_creates_a_new_run_and_the_others_join_a_running_peer(tmp_path):
-    agent = _agent(tmp_path, store=str(tmp_path / "store"))
+    """The leader starts the run from a spec the coordinator signed (its owner key, invite-only); every peer starts
+    with a certificate for its own peer id; the coordinator's peer is in every peer's --peers."""
+    from swarmrun.coordinator.owner import public_owner_key
+    from swarmrun.node import ensure_identity, peer_id_of, public_key_bytes
+    from swarmrun.node.peer.join import read_spec_file
+
+    owner = _Owner()
+    agent = _agent(tmp_path / "w1", store=str(tmp_path / "store"))
+    agent.client = owner
     await agent._act(_assignment())
-    assert agent.started == [["r", "--task", "synthetic", "--set", "total_steps=9"]]
-    other = _agent(tmp_path)
+    [args] = agent.started
+    assert args[0] == "r" and "--task" not in args and "--set" not in args
+    spec = read_spec_file(args[args.index("--spec") + 1], "r").spec  # verifies the signature
+    assert spec.owner_key == public_owner_key(owner.key) and spec.access == "invite"
+    assert spec.task == "synthetic" and spec.hparams["total_steps"] == 9
+    mine = peer_id_of(public_key_bytes(ensure_identity(tmp_path / "w1" / "runs" / "r")[1]))
+    assert _certified_peer(args) == mine
+    other = _agent(tmp_path / "w2")
+    other.client, other.bootstrap = owner, ["/ip4/127.0.0.1/tcp/9/p2p/QmCoordinator"]
     await other._act(_assignment(leader="w0"))  # not the leader, no peer yet: waits
     await other._act(_assignment(leader="w0", state="pending"))
     assert other.started == []
     await other._act(_assignment(leader="w0", peers=["/ip4/1.2.3.4/tcp/5/p2p/Qm"]))
-    assert other.started == [["r", "--peers", "/ip4/1.2.3.4/tcp/5/p2p/Qm"]]
+    [args] = other.started
+    assert args[:4] == ["r", "--peers", "/ip4/1.2.3.4/tcp/5/p2p/Qm", "/ip4/127.0.0.1/tcp/9/p2p/QmCoordinator"]
+    assert "--spec" not in args and _certified_peer(args) != mine
+
+
+async def test_each_assignment_starts_a_new_peer_id(tmp_path):
+    """A released peer id is revoked for good: the next assignment of the worker to the run starts another one; a
+    restart within one assignment keeps it (its certificate stands)."""
+    agent = _agent(tmp_path, store=str(tmp_path / "store"))
+    agent.client = _Owner()
+    for since in (1.0, 1.0, 2.0):
+        await agent._admission(_assignment(since=since)["assignment"], creating=False)
+    peers = [_certified_peer(["--invite", str(tmp_path / "runs" / "r" / "invite")])]
+    ids = [body["peer_id"] for path, body in agent.client.posts]
+    assert ids[0] == ids[1] != ids[2] and peers == ids[2:]
 
 
 async def test_a_run_with_steps_and_no_snapshot_is_never_restarted_from_its_seed(tmp_path):
@@ -342,3 +403,86 @@ async def test_a_peer_step_is_reported_with_the_runs_samples_so_far(tmp_path):
     await agent._on_peer_line(peer, json.dumps({"event": "step", "step": 5}).encode())  # no cursor: no samples
     await agent._flush(peer, now=True)
     assert agent.client.posts[-1] == ("runs/r/progress", {"step": 5})
+
+
+def test_a_released_certificate_is_revoked_only_after_its_peer_had_time_to_leave():
+    """A revoked peer leaves at once (exit 4): revoking at the release would cut its graceful leave, and the last
+    peer's snapshot, short. The lists hold every certificate released ``revoke_after`` ago or more."""
+    from swarmrun.coordinator.owner import due_revocations
+
+    rows = [dict(run_id="a", peer_id="p1", released_at=100.0), dict(run_id="a", peer_id="p2", released_at=150.0),
+            dict(run_id="b", peer_id="p3", released_at=100.0), dict(run_id="b", peer_id="p4", released_at=None)]
+    assert due_revocations(120.0, rows, revoke_after=60.0) == {}
+    assert due_revocations(160.0, rows, revoke_after=60.0) == {"a": frozenset({"p1"}), "b": frozenset({"p3"})}
+    assert due_revocations(210.0, rows, revoke_after=60.0)["a"] == frozenset({"p1", "p2"})
+    assert due_revocations(100.0, rows, revoke_after=0.0) == {"a": frozenset({"p1"}), "b": frozenset({"p3"})}
+
+
+class _FakeDHT:
+    """What PoolPeer uses of a hivemind DHT: its address, its owner keys, its stores (kept, by key and subkey)."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.peer_id = SimpleNamespace(to_base58=lambda: "QmCoordinator")
+        self.stored, self.validators, self.alive = [], [], True
+
+    def get_visible_maddrs(self):
+        return ["/ip4/127.0.0.1/tcp/9/p2p/QmCoordinator"]
+
+    def add_validators(self, validators):
+        self.validators += validators
+
+    def store(self, key, value, *, subkey, expiration_time, return_future):
+        self.stored.append((key, subkey, value))
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(True)
+        return future
+
+    def is_alive(self):
+        return self.alive
+
+
+async def test_the_coordinators_peer_publishes_each_runs_revocations_under_its_owner_key(registry, clock):
+    """A release becomes a signed revocation list once due, published once per change (and again after a
+    restart: the list comes from the registry), under the run owner's signed subkey, verifiable with the owner's
+    public key as `node invite revoke`'s."""
+    from swarmrun.coordinator.owner import public_owner_key
+    from swarmrun.coordinator.peer import PoolPeer
+    from swarmrun.node import verify_signature
+    from swarmrun.node.net.records import owner_subkey
+    from swarmrun.protocol.access import Revocations, revocation_key
+
+    submit(registry, "r")
+    worker(registry, "w1")
+    registry.assign("w1", "r")
+    registry.certify("r", "w1", "QmPeerOfW1xxxxxxxxxxxxxxxx")
+    registry.unassign("w1", reason="preempt")
+    peer, seen = PoolPeer(_FakeDHT()), _Recorder()
+    assert await peer.publish_due(registry, clock.now + 30, 60.0, seen.emit) == 0  # its peer may still be leaving
+    assert await peer.publish_due(registry, clock.now + 61, 60.0, seen.emit) == 1
+    assert await peer.publish_due(registry, clock.now + 62, 60.0, seen.emit) == 0  # nothing changed
+    owner = public_owner_key(registry.owner_key("r"))
+    [(key, subkey, value)] = peer.dht.stored
+    revocations = Revocations.decode(value)
+    assert key == revocation_key("r") and subkey == owner_subkey(owner)
+    assert revocations.revoked == {"QmPeerOfW1xxxxxxxxxxxxxxxx"} and revocations.verify(owner, verify_signature)
+    assert seen.seen == [("revoked", {"run_id": "r", "peers": ["QmPeerOfW1xxxxxxxxxxxxxxxx"]})]
+    assert len(peer.dht.validators) == 1  # the DHT holds the run's owner key, to sign its owner records
+    restarted = PoolPeer(_FakeDHT())
+    assert await restarted.publish_due(registry, clock.now + 63, 60.0) == 1
+
+
+async def test_a_coordinator_whose_peer_died_stops():
+    """Agents hand every peer the coordinator's peer as bootstrap: the service stops rather than serve a dead one."""
+    from swarmrun.coordinator.service import CoordinatorConfig, _revocation_loop
+    from swarmrun.protocol.errors import SwarmrunError
+
+    from swarmrun.coordinator.peer import PoolPeer
+
+    dht, stopped = _FakeDHT(), []
+    dht.alive = False
+    config = CoordinatorConfig(db_url="sqlite://", store="s", state_dir=".")
+    with pytest.raises(SwarmrunError):
+        await _revocation_loop(None, PoolPeer(dht), config, lambda *a, **k: None, stop=lambda: stopped.append(1))
+    assert stopped == [1]

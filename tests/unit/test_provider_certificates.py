@@ -57,3 +57,26 @@ def _issue(owner, peer_id) -> bytes:
     import time
 
     return Certificate.issue(run_id=RUN, peer_id=peer_id, now=time.time(), ttl=3600.0, signer=owner.sign).encode()
+
+
+def test_a_provider_serves_no_state_to_a_peer_whose_certificate_was_revoked():
+    """What keeps a released pool worker from its old run's state: a provider's serving admission (``admit_open``)
+    asks its gate, which refuses a peer the owner's newest revocation list (read from the DHT) names, however valid
+    its certificate; before the revocation the same request is served."""
+    import time
+
+    from swarmrun.node.net.records import owner_subkey
+    from swarmrun.node.net.serve import admit_open
+    from swarmrun.protocol.access import revoke
+
+    owner, member = RSAPrivateKey(), RSAPrivateKey()
+    member_id = peer_id_of(public_key_bytes(member))
+    spec = _spec(owner, "invite")
+    gate = AccessGate(spec)
+    request = SimpleNamespace(spec_hash=spec.spec_hash(), credentials=_issue(owner, member_id))
+    serves = admit_open(spec.spec_hash(), gate)
+    assert serves(request, member_id) is None
+    revocations = revoke(None, run_id=RUN, peers=[member_id], now=time.time(), signer=owner.sign)
+    asyncio.run(gate.refresh(FakeDHT({owner_subkey(public_key_bytes(owner)): revocations.encode()})))
+    assert "revoked" in serves(request, member_id)
+    assert serves(SimpleNamespace(spec_hash=spec.spec_hash(), credentials=None), "QmStranger" + "x" * 30) is not None

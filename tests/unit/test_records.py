@@ -249,13 +249,14 @@ def test_signatures_are_checked_and_stripped_before_the_schema():
     from hivemind.dht.validation import CompositeValidator
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from swarmrun.node.net.swarm import peer_id_of, public_key_bytes, run_validators
+    from swarmrun.node.net.swarm import OwnerSigner, peer_id_of, public_key_bytes, run_validators
     from swarmrun.node.net.swarm import signed_subkey as node_signed_subkey
 
     _, _, RunRecordValidator, PRIORITY = _hivemind()
     key = RSAPrivateKey()
     composite = CompositeValidator(run_validators(key, [RUN]))
-    assert [type(v) for v in composite._validators] == [RunRecordValidator, RSASignatureValidator]
+    assert [type(v) for v in composite._validators] == [RunRecordValidator, OwnerSigner]
+    assert isinstance(composite._validators[1], RSASignatureValidator)
     assert PRIORITY < RSASignatureValidator().priority
     sk = msgpack.packb(node_signed_subkey(RSASignatureValidator(key), peer_id_of(public_key_bytes(key))))
     record = _record("vote", sk=sk)
@@ -271,3 +272,27 @@ def test_signatures_are_checked_and_stripped_before_the_schema():
     stranger = dataclasses.replace(stranger, value=stranger_signs.sign_value(stranger))
     assert not composite.validate(stranger)
     assert not composite.validate(_record("vote", sk=PLAIN_SUBKEY))
+
+
+def test_a_process_that_holds_many_owner_keys_signs_each_runs_owner_record_with_its_own():
+    """The coordinator's peer writes the revocation list of every pool run, each under that run's owner key: its
+    validator (hivemind's, with more keys: ``OwnerSigner``) signs a record with the key its subkey names, which
+    plain hivemind validators accept; a key it was never given stays unsigned (refused)."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.validation import CompositeValidator
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from swarmrun.node.net.swarm import OwnerSigner, public_key_bytes, run_validators
+
+    identity, run_a, run_b = RSAPrivateKey(), RSAPrivateKey(), RSAPrivateKey()
+    composite = CompositeValidator(run_validators(identity, [RUN]))
+    composite.extend([OwnerSigner(run_a, [run_a])])  # what DHT.add_validators does in the DHT's process
+    assert len(composite._validators) == 2  # merged into the one signer
+
+    a, b = (_record("revoked", sk=msgpack.packb(b"[owner:" + public_key_bytes(k) + b"]")) for k in (run_a, run_b))
+    signed = dataclasses.replace(a, value=composite.sign_value(a))
+    assert CompositeValidator([RSASignatureValidator(RSAPrivateKey())]).validate(signed)  # any reader accepts it
+    assert composite.strip_value(signed) == a.value
+    assert not composite.validate(dataclasses.replace(b, value=composite.sign_value(b)))
+    composite.extend([OwnerSigner(run_b, [run_b])])
+    assert composite.validate(dataclasses.replace(b, value=composite.sign_value(b)))

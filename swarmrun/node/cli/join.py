@@ -47,6 +47,9 @@ def add_parsers(sub) -> None:
                    help="a new run's access policy: open (anyone who knows it; default) or invite (certificates "
                         "signed by the owner: `node invite`)")
     j.add_argument("--invite", default=None, metavar="FILE", help="this peer's certificate for an invite-only run")
+    j.add_argument("--spec", default=None, metavar="FILE",
+                   help="create the run from this signed spec, its owner's key elsewhere (a pool's coordinator signs "
+                        "the specs of its runs and hands them to its agents)")
     j.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
     j.add_argument("-v", "--verbose", action="store_true", help="debug logs, hivemind's included")
 
@@ -86,7 +89,7 @@ def run_join(args, events) -> int:
         snapshot = SnapshotOptions(store=args.snapshot_to, every=args.snapshot_every, keep=args.snapshot_keep)
     opts = JoinOptions(
         resume_from=args.resume_from, snapshot=snapshot,
-        run_id=args.run_id, task=args.task, sets=sets, access=args.access, invite=args.invite,
+        run_id=args.run_id, task=args.task, sets=sets, access=args.access, invite=args.invite, spec=args.spec,
         seed=args.seed if args.seed is not None else DEFAULT_SEED, swarm=swarm_config(args),
         trainer=TrainerConfig(batch_size=args.batch_size, device=args.device, max_steps=args.max_steps,
                               matchmaking_time=args.matchmaking_time, min_peers=args.min_peers),

@@ -36,6 +36,13 @@ def add_parsers(sub) -> None:
     c.add_argument("--store", default=None, help="where pool runs' snapshots go (default <state-dir>/store)")
     c.add_argument("--min-residence", type=float, default=None, metavar="S",
                    help="seconds an assignment is kept from preemption and rebalancing (default 120)")
+    c.add_argument("--listen", nargs="+", default=None, metavar="MADDR",
+                   help="where the coordinator's peer listens, the pool runs' bootstrap point (default "
+                        "/ip4/127.0.0.1/tcp/0; /ip4/0.0.0.0/tcp/PORT for a lab's workstations)")
+    c.add_argument("--announce", nargs="+", default=None, metavar="MADDR", help="addresses its peer's dialers use")
+    c.add_argument("--revoke-after", type=float, default=None, metavar="S",
+                   help="seconds from a worker's release to the revocation of its peer's certificate, time for its "
+                        "graceful leave (default 60)")
     _common(c, client=False)
 
     a = sub.add_parser("agent", help="lend this workstation to a pool; `agent busy|idle` sets the resident flag",
@@ -106,8 +113,19 @@ def run_coordinator(args, events) -> int:
         return 0
     host, port = parse_http(args.http)
     policy = Policy() if args.min_residence is None else Policy(min_residence_s=args.min_residence)
+    from swarmrun.node.net.swarm import parse_maddrs
+
+    extra = {}
+    if args.listen:
+        extra["listen"] = parse_maddrs(args.listen, what="--listen")
+    if args.announce:
+        extra["announce"] = parse_maddrs(args.announce, what="--announce")
+    if args.revoke_after is not None:
+        if not args.revoke_after >= 0:
+            raise UsageError("--revoke-after must be >= 0")
+        extra["revoke_after"] = args.revoke_after
     config = CoordinatorConfig(host=host, port=port, db_url=db, store=args.store or default_store(state_dir),
-                               policy=policy)
+                               state_dir=state_dir, policy=policy, **extra)
     import signal
 
     # uvicorn stops gracefully on SIGTERM/SIGINT, then raises the signal again under the handler it found: this

@@ -84,9 +84,12 @@ def anchor_ids(initial_peers: Sequence[str]) -> tuple[str, ...]:
     return tuple(m.rsplit("/p2p/", 1)[1].split("/", 1)[0] for m in initial_peers if "/p2p/" in m)
 
 
-async def fetch_spec(dht: DHT, run_id: str, *, timeout: float, anchors: Sequence[str] = ()) -> Optional[SignedSpec]:
+async def fetch_spec(dht: DHT, run_id: str, *, timeout: float, anchors: Sequence[str] = (),
+                     anchored_only: bool = False) -> Optional[SignedSpec]:
     """The run's signed spec, as the peers ``anchors`` (``--peers``) publish it under their signed subkeys
     (``protocol.spec.choose_spec``: one that does not verify is skipped); None if no peer has one within ``timeout``.
+    ``anchored_only``: only a spec one of the anchors publishes (whether the run is live *at* the given peers: a
+    record a peer that left published lingers in the DHT for its TTL).
 
     Raises:
         IncompatibleState: only specs that do not verify were found, or conflicting ones (see ``choose_spec``).
@@ -94,6 +97,8 @@ async def fetch_spec(dht: DHT, run_id: str, *, timeout: float, anchors: Sequence
     deadline = time.monotonic() + timeout
     while True:
         found = await read_subkeys(dht, spec_key(run_id), _raw_bytes, signed=True)
+        if anchored_only:
+            found = {signer: data for signer, data in found.items() if signer in anchors}
         signed, skipped = choose_spec(found, run_id=run_id, anchors=anchors, verifier=verify_signature)
         for reason in skipped:
             logger.warning(reason)

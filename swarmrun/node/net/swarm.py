@@ -98,10 +98,69 @@ def verify_signature(public_key: bytes, data: bytes, signature: bytes) -> bool:
         return False
 
 
+class OwnerSigner(RSASignatureValidator):
+    """hivemind's signed-record validator, able to sign with more keys than the peer's identity: the coordinator's
+    peer writes the owner records (the revocation list) of every pool run, each under that run's own owner key.
+
+    One narrow subclass of ``RSASignatureValidator`` (which signs only under its one key, and merges no second
+    instance); overridden:
+      - ``sign_value``: a record whose key or subkey carries one of the held owner keys is signed with that key;
+        any other as hivemind does (under the identity key, or not at all);
+      - ``merge_with``: another ``OwnerSigner`` adds its keys to this one, so ``DHT.add_validators`` (the only way
+        into the DHT's process) gives a running DHT one more run's key (``hold_owner_keys``).
+    Validation is hivemind's: a record is checked against the key its subkey names, whoever signed it.
+    """
+
+    def __init__(self, private_key: Optional[RSAPrivateKey] = None, owners: Sequence[RSAPrivateKey] = ()):
+        super().__init__(private_key)
+        self._owners = {self.PUBLIC_KEY_FORMAT.replace(b"_key_", k.get_public_key().to_bytes()): k for k in owners}
+
+    def sign_value(self, record) -> bytes:
+        for marker, key in self._owners.items():
+            if marker in record.key or marker in record.subkey:
+                return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", key.sign(self._serialize_record(record)))
+        return super().sign_value(record)
+
+    def merge_with(self, other) -> bool:
+        if isinstance(other, OwnerSigner):
+            self._owners.update(other._owners)
+            return True
+        return super().merge_with(other)
+
+
 def record_validator(key: Optional[RSAPrivateKey] = None) -> RSASignatureValidator:
     """hivemind's signed-record validator with this peer's identity key: a subkey made by ``signed_subkey`` can only
     be written by the owner of that key (every DHT of swarmrun runs it; a reader strips the signatures with it)."""
-    return RSASignatureValidator(key) if key is not None else RSASignatureValidator()
+    return OwnerSigner(key)
+
+
+def hold_owner_keys(dht: DHT, keys: Sequence[RSAPrivateKey]) -> None:
+    """Let a running DHT sign owner records with ``keys`` (runs this process owns besides its identity's)."""
+    dht.add_validators([OwnerSigner(keys[0], keys)])
+
+
+def new_key() -> RSAPrivateKey:
+    """A fresh RSA key of the kind every identity and owner key is (hivemind's 2048-bit RSA)."""
+    return RSAPrivateKey()
+
+
+def key_bytes(key: RSAPrivateKey) -> bytes:
+    """A private key as bytes (DER) to keep, e.g. in the coordinator's database: ``load_key`` reads it back."""
+    return key.to_bytes()
+
+
+def load_key(data: bytes) -> RSAPrivateKey:
+    """A private key from ``key_bytes``.
+
+    Raises:
+        ValueError: not such a key.
+    """
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    try:
+        key.__setstate__({"_private_key": bytes(data)})
+    except Exception as e:
+        raise ValueError(f"not an RSA private key: {e}") from None
+    return key
 
 
 def run_validators(key: Optional[RSAPrivateKey], run_ids: Sequence[str] = ()) -> list:

@@ -13,13 +13,14 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional
 
 from hivemind import DHT
 
 from swarmrun.node.net.records import anchor_ids, fetch_spec, publish_spec_forever, read_providers, read_view
 from swarmrun.node.net.swarm import (SwarmConfig, ensure_identity, public_key_bytes, record_validator, signed_subkey,
-                                     start_dht)
+                                     start_dht, verify_signature)
 from swarmrun.node.runtime import kill_descendants
 from swarmrun.node.output import Events, set_log_context
 from swarmrun.node.peer.access import AccessGate, read_certificate_file
@@ -30,7 +31,7 @@ from swarmrun.node.peer.trainer import Trainer, TrainerConfig
 from swarmrun.node.state.owned import remember_owned
 from swarmrun.node.tasks.base import Task, load_task_class
 from swarmrun.protocol.access import MAX_TTL, Certificate
-from swarmrun.protocol.errors import RunNotFound, Stopped, TaskError, UsageError
+from swarmrun.protocol.errors import IncompatibleState, ProtocolError, RunNotFound, Stopped, TaskError, UsageError
 from swarmrun.protocol.spec import SignedSpec
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class JoinOptions:
     snapshot: Optional["SnapshotOptions"] = None  # --snapshot-to STORE ...
     access: str = "open"  # a new run's access policy: open or invite
     invite: Optional[str] = None  # a file with this peer's certificate (`node invite` output)
+    spec: Optional[str] = None  # create the run from this file's signed spec (its owner is elsewhere: a pool's coordinator)
 
 
 async def run_peer(opts: JoinOptions, events: Events, *, keep: Optional[dict] = None) -> str:
@@ -110,7 +112,7 @@ async def _run_peer(opts: JoinOptions, events: Events, keep: Optional[dict], sig
         signals.install()  # again: starting hivemind's averager set SIGINT to "ignore" in this process
         events.emit("listening", run_id=spec.run_id, peer_id=peer_id,
                     maddrs=[str(m) for m in dht.get_visible_maddrs()], spec_hash=spec.spec_hash(),
-                    task=spec.task, created=opts.task is not None)
+                    task=spec.task, created=opts.task is not None or opts.spec is not None)
         side = _snapshot_side(opts, trainer, signed, plan, events)
         try:
             await _bootstrap(opts, trainer, plan, events)
@@ -141,6 +143,8 @@ async def _local_inputs(opts: JoinOptions) -> tuple[Optional["ResumePlan"], Opti
     """What needs no swarm, checked before the swarm starts so a bad one fails fast: the snapshot to resume from
     (loaded and verified) and the task class of a new run."""
     plan = task_cls = None
+    if opts.spec is not None:
+        read_spec_file(opts.spec, opts.run_id)  # a bad file fails before the swarm starts
     if opts.resume_from is not None:
         plan = await asyncio.to_thread(plan_resume, opts.resume_from, run_id=opts.run_id, sets=dict(opts.sets),
                                        key=ensure_identity(opts.swarm.state_dir)[1])
@@ -168,17 +172,18 @@ def _left_early(events: Events) -> str:
 def _check_options(opts: JoinOptions) -> None:
     """Refuse a contradictory or incomplete set of options before anything starts (exit 2)."""
     check_run_id(opts.run_id)
-    creating, resuming = opts.task is not None, opts.resume_from is not None
-    if creating and resuming:
-        raise UsageError("--task creates a new run and --resume-from restarts one from a snapshot: give one of them")
+    creating, resuming = opts.task is not None or opts.spec is not None, opts.resume_from is not None
+    if creating and resuming or opts.task is not None and opts.spec is not None:
+        raise UsageError("--task and --spec create a new run and --resume-from restarts one from a snapshot: give one "
+                         "of them")
     if not creating and not resuming and not opts.swarm.initial_peers:
         raise UsageError("give --task NAME to create a new run, --resume-from STORE to restart one from a snapshot, "
                          "or --peers MADDR (or SWARMRUN_PEERS) to join one")
     if opts.access not in ("open", "invite"):
         raise UsageError(f"--access must be open or invite, got {opts.access!r}")
-    if opts.access != "open" and not creating:
+    if opts.access != "open" and opts.task is None:
         raise UsageError("--access applies to a new run (with --task); a run keeps the policy it was created with")
-    if opts.sets and not creating and not resuming:
+    if opts.sets and opts.task is None and not resuming:
         raise UsageError("--set applies to a new run (with --task); an existing run keeps its spec")
     if opts.snapshot is not None:
         opts.snapshot.policy()  # a bad --snapshot-every or --snapshot-keep fails before anything starts
@@ -186,14 +191,14 @@ def _check_options(opts: JoinOptions) -> None:
 
 async def _resolve_spec(opts: JoinOptions, dht: DHT, key, plan: Optional["ResumePlan"],
                         task_cls: Optional[type[Task]]) -> tuple[SignedSpec, Task]:
-    """The run's signed spec and its task: a new one (``--task``), the snapshot's (``--resume-from``), or the
-    swarm's (``--peers``).
+    """The run's signed spec and its task: a new one (``--task``, or ``--spec``: signed by an owner elsewhere), the
+    snapshot's (``--resume-from``), or the swarm's (``--peers``).
 
     Raises:
         UsageError: a new or resumed run that is live at the given peers. RunNotFound: no such run there.
     """
-    if opts.task is not None or plan is not None:
-        if opts.swarm.initial_peers and await fetch_spec(dht, opts.run_id, timeout=EXISTS_TIMEOUT,
+    if opts.task is not None or opts.spec is not None or plan is not None:
+        if opts.swarm.initial_peers and await fetch_spec(dht, opts.run_id, timeout=EXISTS_TIMEOUT, anchored_only=True,
                                                          anchors=anchor_ids(opts.swarm.initial_peers)) is not None:
             if opts.task is not None:
                 raise UsageError(f"run {opts.run_id!r} already exists at the given peers: join it without --task")
@@ -201,6 +206,9 @@ async def _resolve_spec(opts: JoinOptions, dht: DHT, key, plan: Optional["Resume
                              f"without --resume-from")
         if plan is not None:
             return plan.signed, build_task_for(plan.signed.spec)
+        if opts.spec is not None:
+            signed = read_spec_file(opts.spec, opts.run_id)
+            return signed, build_task_for(signed.spec)
         spec, task = make_spec(run_id=opts.run_id, task_cls=task_cls, sets=opts.sets, seed=opts.seed,
                                owner_key=public_key_bytes(key), access=opts.access)
         return SignedSpec.sign(spec, key.sign), task
@@ -209,6 +217,24 @@ async def _resolve_spec(opts: JoinOptions, dht: DHT, key, plan: Optional["Resume
     if signed is None:
         raise RunNotFound(f"run {opts.run_id!r} was not found at the given peers")
     return signed, build_task_for(signed.spec)
+
+
+def read_spec_file(path: str, run_id: str) -> SignedSpec:
+    """The signed spec in ``path`` (``SignedSpec.encode()``, as a pool's coordinator signs it), verified.
+
+    Raises:
+        UsageError: unreadable, or not a spec. IncompatibleState: its signature does not verify, another run.
+    """
+    try:
+        signed = SignedSpec.decode(Path(path).expanduser().read_bytes())
+    except OSError as e:
+        raise UsageError(f"cannot read spec file {path}: {e.strerror}") from None
+    except ProtocolError as e:
+        raise UsageError(f"{path} is not a signed spec ({e})") from None
+    signed.verify(verify_signature)
+    if signed.spec.run_id != run_id:
+        raise IncompatibleState(f"the spec in {path} is of run {signed.spec.run_id!r}, not {run_id!r}")
+    return signed
 
 
 async def _admit_self(spec, dht: DHT, key, peer_id: str, credentials: Optional[bytes]) -> AccessGate:
@@ -242,7 +268,7 @@ async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) 
         events.emit("resumed", step=state.step, state_hash=trainer.state_hash, where=plan.snapshot.where,
                     manifest_hash=plan.snapshot.frozen.manifest.manifest_hash(),
                     cursor=state.cursor.summary(), amended=plan.changes)
-    if opts.task is not None or plan is not None:
+    if opts.task is not None or opts.spec is not None or plan is not None:
         return
     view = await read_view(trainer.dht, trainer.spec.run_id, trainer.gate)
     if view.reports or await read_providers(trainer.dht, trainer.spec.run_id, trainer.gate):
