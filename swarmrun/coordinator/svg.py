@@ -108,7 +108,7 @@ def _frame(title: str, x_label: str, y_label: str, xs: tuple[float, float], ys: 
 
 _CHAR_W = 6.5  # px per character of an 11 px label, a little over the average: a label's width estimated server-side
 _LANES = 5  # rows of mark labels down a plot
-_LANE_H = 12
+_LANE_H = 14  # an 11 px label's box is about 13 px high
 
 
 def label_lanes(xs: Sequence[float], labels: Sequence[str], *, left: float = _L, right: float = _W - _R,
@@ -163,12 +163,14 @@ def plot(points: Sequence[tuple[float, float]], *, title: str, x_label: str, y_l
     # (class "unlabelled"), its line and tooltip kept
     places = label_lanes([sx(m.x) for m in marks], [m.label for m in marks])
     for m, place in zip(marks, places):
-        text = ("" if place is None else
-                f'<text class="marklabel" x="{place[0]:.1f}" y="{_T + 10 + place[2] * _LANE_H}" '
-                f'text-anchor="{place[1]}" fill="{m.colour}">{escape(m.label)}</text>')
         out.append(f'<g class="mark{" unlabelled" if place is None else ""}"><title>{escape(m.label)}</title>'
                    f'<line x1="{sx(m.x):.1f}" x2="{sx(m.x):.1f}" y1="{_T}" y2="{_H - _B}" '
-                   f'stroke="{m.colour}" stroke-dasharray="4 3"/>{text}</g>')
+                   f'stroke="{m.colour}" stroke-dasharray="4 3"/></g>')
+    if any(place is not None for place in places):  # after every line: a label's halo (CSS) covers the lines it crosses
+        out.append('<g class="marklabels">' + "".join(
+            f'<text class="marklabel" x="{place[0]:.1f}" y="{_T + 10 + place[2] * _LANE_H}" text-anchor="{place[1]}" '
+            f'fill="{m.colour}"><title>{escape(m.label)}</title>{escape(m.label)}</text>'
+            for m, place in zip(marks, places) if place is not None) + "</g>")
     if points:
         path, prev = [], None
         for x, y in points:

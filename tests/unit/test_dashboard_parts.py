@@ -164,5 +164,6 @@ def test_mark_labels_close_together_go_in_lanes_and_the_rest_are_thinned_keeping
     assert places[8][1] == "end" and places[8][0] == 622.0  # near the right edge: drawn left of its line
     out = svg.plot([(x, 1.0) for x in range(100, 630, 10)], title="t", x_label="x", y_label="y",
                    marks=[svg.Mark(x, lab) for x, lab in zip(xs, labels)])
-    assert out.count('<g class="mark') == 9 and out.count('class="mark unlabelled"') == 2
+    assert out.count('<g class="mark">') == 7 and out.count('<g class="mark unlabelled">') == 2
     assert out.count('class="marklabel"') == 7 and all(f"<title>{lab}</title>" in out for lab in labels)
+    assert out.index('class="marklabels"') > out.rindex("<line")  # labels over every mark's line, not under one
