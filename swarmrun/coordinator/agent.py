@@ -22,6 +22,7 @@ import asyncio
 import base64
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -33,6 +34,7 @@ from typing import Any, Optional
 
 from swarmrun.coordinator.client import Client
 from swarmrun.coordinator.residents import Resident
+from swarmrun.coordinator.schema import CURSOR_KEYS
 from swarmrun.protocol.errors import AccessRefused, SwarmrunError, UsageError
 
 __all__ = ["AgentConfig", "Agent", "local_resources"]
@@ -52,6 +54,10 @@ class AgentConfig:
     snapshot_wait: float = 60.0  # how long a leader waits for a snapshot of the run's reported step before older
     device: str = "auto"
     peer_args: tuple[str, ...] = ()  # passed to every `node join` (--listen, --announce, --matchmaking-time ...)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def local_resources() -> dict[str, Any]:
@@ -284,7 +290,13 @@ class Agent:
             fields["samples"] = cursor.get("samples_applied") if isinstance(cursor, dict) else None
             self.events.emit("peer_step", run_id=peer.run_id, **fields)
             peer.pending = {k: v for k, v in fields.items() if v is not None}
+            if isinstance(cursor, dict):  # the run's data accounting, shown on its page
+                peer.pending["cursor"] = {k: cursor[k] for k in CURSOR_KEYS if isinstance(cursor.get(k), int)}
             await self._flush(peer)
+        elif kind == "eval" and isinstance(event.get("step"), int) and _finite(event.get("loss")):
+            # a held-out evaluation (every ``eval_every`` steps): rare, reported at once with its own step
+            self.events.emit("peer_eval", run_id=peer.run_id, step=event["step"], loss=event["loss"])
+            await self._report(peer.run_id, {"step": event["step"], "eval": {"step": event["step"], "loss": event["loss"]}})
         elif kind == "snapshot" and event.get("where"):
             self.events.emit("peer_snapshot", run_id=peer.run_id, step=event.get("step"), where=event["where"])
             await self._report(peer.run_id, {"step": event["step"], "snapshot": {"url": event["where"], "step": event["step"]}})

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-__all__ = ["Point", "Marker", "RunSeries", "Span", "History", "eta_seconds"]
+__all__ = ["Point", "EvalPoint", "Marker", "RunSeries", "Span", "History", "eta_seconds"]
 
 MAX_POINTS = 2000
 # The events marked on a run's plots, and the words shown for them.
@@ -33,6 +33,15 @@ class Point:
 
 
 @dataclass(frozen=True)
+class EvalPoint:
+    """A held-out evaluation of the run's model at ``step`` (the peers' ``eval`` event, forwarded by an agent)."""
+
+    time: float
+    step: int
+    loss: float
+
+
+@dataclass(frozen=True)
 class Marker:
     """An event of a run's life marked on its plots: a pause, a resume, a preemption, a snapshot..."""
 
@@ -49,6 +58,16 @@ class RunSeries:
     points: list[Point] = field(default_factory=list)
     markers: list[Marker] = field(default_factory=list)
     snapshot_steps: list[int] = field(default_factory=list)
+    evals: list[EvalPoint] = field(default_factory=list)
+
+    def evaluated(self, point: EvalPoint, max_points: int = MAX_POINTS) -> None:
+        """Add an evaluation; one per step (every peer of a group evaluates the same state: the first one kept)."""
+        if any(e.step == point.step for e in self.evals[-8:]):
+            return
+        self.evals.append(point)
+        if len(self.evals) > max_points:
+            half = len(self.evals) // 2
+            self.evals = self.evals[:half:2] + self.evals[half:]
 
     def add(self, point: Point, max_points: int = MAX_POINTS) -> None:
         self.points.append(point)
@@ -113,9 +132,16 @@ class History:
         detail = event.get("detail") or {}
         if kind == "progress" and run_id:
             series = self.series(run_id)
-            series.add(Point(time=event["time"], step=int(detail["step"]), loss=detail.get("loss"),
-                             samples_per_second=detail.get("samples_per_second"), peers=detail.get("peers"),
-                             samples=detail.get("samples")), self.max_points)
+            if detail.get("eval_loss") is not None and detail.get("eval_step") is not None:
+                series.evaluated(EvalPoint(event["time"], int(detail["eval_step"]), float(detail["eval_loss"])),
+                                 self.max_points)
+            reported = ("loss", "samples_per_second", "peers", "samples")
+            # an evaluation of a step already plotted, with nothing else reported, is no new point
+            if any(detail.get(k) is not None for k in reported) or not series.points or \
+                    int(detail["step"]) > series.points[-1].step or detail.get("eval_loss") is None:
+                series.add(Point(time=event["time"], step=int(detail["step"]), loss=detail.get("loss"),
+                                 samples_per_second=detail.get("samples_per_second"), peers=detail.get("peers"),
+                                 samples=detail.get("samples")), self.max_points)
             snap = detail.get("snapshot_step")
             if snap is not None and snap not in series.snapshot_steps[-1:]:
                 series.snapshot_steps.append(int(snap))

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from sqlalchemy import create_engine, event, select, update
+from sqlalchemy import create_engine, event, inspect, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -133,6 +133,20 @@ class Registry:
         self._clock = clock
         self._lock = threading.Lock()
         _Base.metadata.create_all(self._engine)
+        self._add_new_columns()
+
+    def _add_new_columns(self) -> None:
+        """Columns added since a database was created (nullable ones only): ``create_all`` makes missing tables,
+        not missing columns, and a coordinator upgraded in place opens its old database."""
+        have = {c["name"] for c in inspect(self._engine).get_columns(_Run.__tablename__)}
+        missing = [c for c in _Run.__table__.columns if c.key not in have]
+        if not missing:
+            return
+        with self._engine.begin() as conn:
+            for column in missing:
+                assert column.nullable, f"a new column must be nullable: {column.key}"
+                kind = column.type.compile(dialect=self._engine.dialect)
+                conn.exec_driver_sql(f'ALTER TABLE {_Run.__tablename__} ADD COLUMN "{column.key}" {kind}')
 
     def close(self) -> None:
         """Close every pooled connection (the data is already committed)."""
@@ -307,9 +321,14 @@ class Registry:
             )
             if newer_snapshot:
                 run.snapshot_url, run.snapshot_step = progress.snapshot_url, progress.snapshot_step
+            if progress.eval_loss is not None and (run.eval_step is None or progress.eval_step >= run.eval_step):
+                run.eval_step, run.eval_loss = progress.eval_step, progress.eval_loss
+            if progress.cursor is not None and progress.step >= (run.step or 0):  # an older step's cursor is not kept
+                run.accounting = dict(progress.cursor)
             run.progress_at = run.updated_at = self._clock()
-            if advanced or progress.loss is not None or newer_snapshot:
-                detail = {k: v for k, v in vars(progress).items() if v is not None}
+            if advanced or progress.loss is not None or newer_snapshot or progress.eval_loss is not None:
+                # the cursor's summary is kept on the run, not in every event (the events table grows with each step)
+                detail = {k: v for k, v in vars(progress).items() if v is not None and k != "cursor"}
                 self._event(s, "progress", run_id=run_id, **detail)
             return _row(run)
 

@@ -19,6 +19,7 @@ from swarmrun.protocol.spec import RUN_ID
 
 __all__ = [
     "PRIORITY_NAMES",
+    "CURSOR_KEYS",
     "RUN_ID_RE",
     "Submission",
     "Resources",
@@ -45,6 +46,8 @@ PRIORITY_NAMES = {"low": 0, "normal": 1, "high": 2}
 _PRIORITY_BOUND = 1_000_000  # any lab's ladder of priorities fits; the bound keeps them in a 32-bit column
 _PEERS_BOUND = 100_000
 _SHARE_BOUND = 1e6
+CURSOR_KEYS = ("samples_applied", "blocks_applied", "blocks_pending", "blocks_skipped", "blocks_duplicated", "data_epoch")
+"""The data cursor's summary (``DataCursor.summary()``) a progress report may carry: the run's data accounting."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +113,9 @@ class Progress:
     samples: int | None = None
     snapshot_url: str | None = None
     snapshot_step: int | None = None
+    eval_step: int | None = None  # the step whose model the held-out evaluation measured
+    eval_loss: float | None = None
+    cursor: dict[str, int] | None = None  # the data cursor's summary at ``step`` (CURSOR_KEYS)
 
 
 def _object(body: Any, allowed: set[str], required: set[str] = frozenset()) -> dict[str, Any]:
@@ -252,8 +258,12 @@ def parse_heartbeat(body: Any) -> Heartbeat:
 
 def parse_progress(body: Any) -> Progress:
     """A validated ``Progress`` from a ``POST /api/runs/{id}/progress`` body."""
-    fields = {"step", "loss", "samples_per_second", "peers", "samples", "snapshot"}
+    fields = {"step", "loss", "samples_per_second", "peers", "samples", "snapshot", "eval", "cursor"}
     body = _object(body, fields, {"step"})
+    evaluation = _object(body.get("eval") or {}, {"step", "loss"}, {"step", "loss"} if body.get("eval") else set())
+    cursor = None
+    if body.get("cursor") is not None:
+        cursor = {k: _int(v, f"cursor.{k}", 0, 2**62) for k, v in _object(body["cursor"], set(CURSOR_KEYS)).items()}
     snapshot = _object(body.get("snapshot") or {}, {"url", "step"}, {"url", "step"} if body.get("snapshot") else set())
     url = snapshot.get("url")
     # Printable only: PostgreSQL's text refuses NUL, and a URL has no control characters.
@@ -267,6 +277,9 @@ def parse_progress(body: Any) -> Progress:
         samples=_optional(body, "samples", _int, 0, 2**62),
         snapshot_url=url,
         snapshot_step=_optional(snapshot, "step", _int, 0, 2**62),
+        eval_step=_optional(evaluation, "step", _int, 0, 2**62),
+        eval_loss=_optional(evaluation, "loss", _number, -math.inf, math.inf),
+        cursor=cursor or None,
     )
 
 

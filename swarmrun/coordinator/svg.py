@@ -13,10 +13,13 @@ from dataclasses import dataclass
 from html import escape
 from typing import Sequence
 
-__all__ = ["OKABE_ITO", "Mark", "Bar", "colour", "plot", "timeline", "ticks"]
+__all__ = ["OKABE_ITO", "EVAL_COLOUR", "Mark", "Bar", "Overlay", "colour", "plot", "timeline", "ticks", "label_lanes"]
 
 # Okabe & Ito's colour-blind-safe palette (black left out: it is the axes' colour).
 OKABE_ITO = ("#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#F0E442")
+# Points of a second series over a run's own (eval loss over training loss): black, the palette's left-out colour,
+# drawn as hollow diamonds, so they differ from the run's circles by shape as well as by colour.
+EVAL_COLOUR = "#000000"
 
 
 def colour(index: int) -> str:
@@ -31,6 +34,15 @@ class Mark:
     x: float
     label: str
     colour: str = "#555555"
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """A second series drawn over a plot's own as unjoined hollow diamonds (eval loss over training loss)."""
+
+    points: Sequence[tuple[float, float]]
+    label: str
+    colour: str = EVAL_COLOUR
 
 
 @dataclass(frozen=True)
@@ -94,38 +106,92 @@ def _frame(title: str, x_label: str, y_label: str, xs: tuple[float, float], ys: 
     return out
 
 
+_CHAR_W = 6.5  # px per character of an 11 px label, a little over the average: a label's width estimated server-side
+_LANES = 5  # rows of mark labels down a plot
+_LANE_H = 14  # an 11 px label's box is about 13 px high
+
+
+def label_lanes(xs: Sequence[float], labels: Sequence[str], *, left: float = _L, right: float = _W - _R,
+                lanes: int = _LANES, gap: float = 4.0) -> list[tuple[float, str, int] | None]:
+    """Where each mark's label goes: ``(x, text-anchor, lane)``, or None where it would overprint others (thinned).
+
+    Marks are placed in x order; a label sits right of its line (left of it where it would run off the plot) in
+    the first lane where it overlaps no label already placed. Marks close in time get labels in lanes down the
+    plot; past ``lanes`` of them the rest are left unlabelled (their line and its tooltip stay).
+    """
+    placed: list[list[tuple[float, float]]] = [[] for _ in range(lanes)]
+    out: list[tuple[float, str, int] | None] = [None] * len(xs)
+    for i in sorted(range(len(xs)), key=lambda i: xs[i]):
+        width = _CHAR_W * len(labels[i])
+        x, anchor, lo, hi = xs[i] + 3, "start", xs[i] + 3, xs[i] + 3 + width
+        if hi > right:
+            x, anchor, lo, hi = xs[i] - 3, "end", max(left, xs[i] - 3 - width), xs[i] - 3
+        for lane in range(lanes):
+            if all(hi + gap <= a or lo >= b + gap for a, b in placed[lane]):
+                placed[lane].append((lo, hi))
+                out[i] = (x, anchor, lane)
+                break
+    return out
+
+
+def _diamond(x: float, y: float, r: float = 4.5) -> str:
+    return f"M{x:.1f},{y - r:.1f} L{x + r:.1f},{y:.1f} L{x:.1f},{y + r:.1f} L{x - r:.1f},{y:.1f} Z"
+
+
 def plot(points: Sequence[tuple[float, float]], *, title: str, x_label: str, y_label: str, colour: str = "#0072B2",
-         marks: Sequence[Mark] = (), x_fmt=_fmt, step: bool = False) -> str:
+         marks: Sequence[Mark] = (), x_fmt=_fmt, step: bool = False, overlay: Overlay | None = None,
+         label: str = "") -> str:
     """An SVG line plot with a circle at each point, and vertical marks.
 
     Args:
-        points: (x, y) pairs, in x order; none: the plot says "no data yet".
+        points: (x, y) pairs, in x order; none (and no overlay points): the plot says "no data yet".
         step: draw the line as a staircase (a count that holds until it changes, like peers).
         x_fmt: formats an x tick (a time axis passes a clock formatter).
+        overlay: a second series drawn as diamonds; with it, a legend names both (``label`` names ``points``).
     """
-    if not points:
+    extra = list(overlay.points) if overlay is not None else []
+    if not points and not extra:
         return (f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" viewBox="0 0 {_W} 60" role="img" '
                 f'aria-label="{escape(title)}: no data yet"><text x="{_W / 2}" y="34" text-anchor="middle">'
                 f'{escape(title)}: no data yet</text></svg>')
-    xs = _span([p[0] for p in points] + [m.x for m in marks])
-    ys = _span([p[1] for p in points])
+    xs = _span([p[0] for p in points] + [p[0] for p in extra] + [m.x for m in marks])
+    ys = _span([p[1] for p in points] + [p[1] for p in extra])
     out = _frame(title, x_label, y_label, xs, ys, x_fmt)
     sx = lambda x: _L + (x - xs[0]) / (xs[1] - xs[0]) * (_W - _L - _R)  # noqa: E731
     sy = lambda y: _H - _B - (y - ys[0]) / (ys[1] - ys[0]) * (_H - _T - _B)  # noqa: E731
-    for i, m in enumerate(marks):  # labels staggered down the plot: marks close in time do not overprint
-        out.append(f'<g class="mark"><line x1="{sx(m.x):.1f}" x2="{sx(m.x):.1f}" y1="{_T}" y2="{_H - _B}" '
-                   f'stroke="{m.colour}" stroke-dasharray="4 3"/><text x="{sx(m.x) + 3:.1f}" y="{_T + 10 + (i % 5) * 12}" '
-                   f'fill="{m.colour}">{escape(m.label)}</text><title>{escape(m.label)}</title></g>')
-    path, prev = [], None
-    for x, y in points:
-        if step and prev is not None:
-            path.append(f"{sx(x):.1f},{sy(prev):.1f}")
-        path.append(f"{sx(x):.1f},{sy(y):.1f}")
-        prev = y
-    out.append(f'<polyline class="series" fill="none" stroke="{colour}" points="{" ".join(path)}"/>')
-    for x, y in points:
-        out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{colour}">'
-                   f'<title>{escape(x_fmt(x))}: {_fmt(y)}</title></circle>')
+    # labels in lanes down the plot: marks close in time do not overprint; a label with no room is left out
+    # (class "unlabelled"), its line and tooltip kept
+    places = label_lanes([sx(m.x) for m in marks], [m.label for m in marks])
+    for m, place in zip(marks, places):
+        out.append(f'<g class="mark{" unlabelled" if place is None else ""}"><title>{escape(m.label)}</title>'
+                   f'<line x1="{sx(m.x):.1f}" x2="{sx(m.x):.1f}" y1="{_T}" y2="{_H - _B}" '
+                   f'stroke="{m.colour}" stroke-dasharray="4 3"/></g>')
+    if any(place is not None for place in places):  # after every line: a label's halo (CSS) covers the lines it crosses
+        out.append('<g class="marklabels">' + "".join(
+            f'<text class="marklabel" x="{place[0]:.1f}" y="{_T + 10 + place[2] * _LANE_H}" text-anchor="{place[1]}" '
+            f'fill="{m.colour}"><title>{escape(m.label)}</title>{escape(m.label)}</text>'
+            for m, place in zip(marks, places) if place is not None) + "</g>")
+    if points:
+        path, prev = [], None
+        for x, y in points:
+            if step and prev is not None:
+                path.append(f"{sx(x):.1f},{sy(prev):.1f}")
+            path.append(f"{sx(x):.1f},{sy(y):.1f}")
+            prev = y
+        out.append(f'<polyline class="series" fill="none" stroke="{colour}" points="{" ".join(path)}"/>')
+        for x, y in points:
+            out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{colour}">'
+                       f'<title>{escape(x_fmt(x))}: {_fmt(y)}</title></circle>')
+    if overlay is not None:
+        for x, y in extra:
+            out.append(f'<path class="overlay" d="{_diamond(sx(x), sy(y))}" fill="#ffffff" stroke="{overlay.colour}" '
+                       f'stroke-width="1.5"><title>{escape(overlay.label)} {escape(x_fmt(x))}: {_fmt(y)}</title></path>')
+        y, own = _H - 8, label or y_label  # the legend: in the bottom margin, left of the x axis' label
+        second = _L + 30 + _CHAR_W * len(own)
+        out.append(f'<g class="legend"><line x1="{_L}" x2="{_L + 18}" y1="{y - 4}" y2="{y - 4}" stroke="{colour}" '
+                   f'stroke-width="2"/><text class="legendlabel" x="{_L + 22}" y="{y}">{escape(own)}</text>'
+                   f'<path d="{_diamond(second + 5, y - 4)}" fill="#ffffff" stroke="{overlay.colour}" stroke-width="1.5"/>'
+                   f'<text class="legendlabel" x="{second + 14:.1f}" y="{y}">{escape(overlay.label)}</text></g>')
     out.append("</svg>")
     return "".join(out)
 

@@ -50,6 +50,9 @@ class RunRow(Base):
     samples_per_second: Mapped[float | None] = mapped_column(Float)
     peers: Mapped[int | None] = mapped_column(Integer)
     progress_at: Mapped[float | None] = mapped_column(Float)
+    eval_step: Mapped[int | None] = mapped_column(BigInteger)  # the newest held-out evaluation: its step and loss
+    eval_loss: Mapped[float | None] = mapped_column(Float)
+    accounting: Mapped[dict | None] = mapped_column(JSON)  # the data cursor's summary at the newest reported step
 
 
 class WorkerRow(Base):

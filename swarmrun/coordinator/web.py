@@ -21,6 +21,7 @@ Python, and the same code serves ``node dashboard`` (a swarm without a coordinat
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from html import escape
 from importlib import resources
@@ -120,6 +121,13 @@ def _worker_rows(workers: list[dict], colours: dict[str, str], now: float) -> li
     return rows
 
 
+def _eval(run: dict) -> str:
+    """A run's newest eval loss and its step ("0.4123 @ step 40"), or a dash."""
+    if run.get("eval_loss") is None:
+        return "–"
+    return f'{_num(run["eval_loss"])} @ step {_num(run.get("eval_step"))}'
+
+
 def _run_rows(runs: list[dict], assigned: dict[str, int], colours: dict[str, str], history: History) -> list[str]:
     rows = []
     for r in runs:
@@ -132,7 +140,7 @@ def _run_rows(runs: list[dict], assigned: dict[str, int], colours: dict[str, str
             f'<td class="priority">{r["priority"]}</td><td>{escape(r["owner"])}</td>'
             f'<td class="peers">{assigned.get(rid, 0)} / {r["min_peers"]} / {r["max_peers"]}</td>'
             f'<td class="step">{step}</td><td>{_num(r.get("samples_per_second"))}</td><td>{_duration(eta)}</td>'
-            f'<td>{_num(r.get("loss"))}</td></tr>')
+            f'<td class="loss">{_num(r.get("loss"))}</td><td class="eval-loss">{_eval(r)}</td></tr>')
     return rows
 
 
@@ -150,7 +158,7 @@ def pool_fragment(runs: list[dict], workers: list[dict], history: History, now: 
     worker_table = _table("Workers", ["worker", "host", "doing", "resident", "devices", "last seen"],
                           _worker_rows(workers, colours, now), "workers")
     run_table = _table("Runs", ["run", "state", "priority", "owner", "peers now / min / max", "step / total",
-                                "samples/s", "ETA", "last loss"], _run_rows(runs, assigned, colours, history), "runs")
+                                "samples/s", "ETA", "last training loss", "last eval loss"], _run_rows(runs, assigned, colours, history), "runs")
     return summary + run_table + worker_table
 
 
@@ -162,13 +170,43 @@ def _thin(points: list, limit: int = PLOT_POINTS) -> list:
     return [points[int(i * stride)] for i in range(limit - 1)] + [points[-1]]
 
 
+def _samples_at(known: list[tuple[int, int]], step: int) -> Optional[float]:
+    """The run's samples at ``step``, from ``known`` (step, samples) pairs in step order: exact, interpolated
+    between neighbours, or at the pace of the nearest known step (an evaluation is reported before its step)."""
+    if not known:
+        return None
+    i = bisect.bisect_left(known, (step, -1))
+    if i < len(known) and known[i][0] == step:
+        return float(known[i][1])
+    if 0 < i < len(known):
+        (s0, n0), (s1, n1) = known[i - 1], known[i]
+        return n0 + (n1 - n0) * (step - s0) / (s1 - s0)
+    s0, n0 = known[i - 1] if i else known[0]
+    if len(known) >= 2:
+        (a, na), (b, nb) = (known[-2], known[-1]) if i else (known[0], known[1])
+        return n0 + (nb - na) / (b - a) * (step - s0) if b > a else None
+    return n0 * step / s0 if s0 > 0 else None
+
+
 def _loss_plot(series: RunSeries, colour: str) -> str:
     with_loss = _thin([p for p in series.points if p.loss is not None])
     by_samples = bool(with_loss) and all(p.samples is not None for p in with_loss)
     points = [(float(p.samples if by_samples else p.step), p.loss) for p in with_loss]
+    evals: list[tuple[float, float]] = []
+    if by_samples:
+        known = sorted({p.step: p.samples for p in series.points if p.samples is not None}.items())
+        for e in _thin(series.evals):
+            x = _samples_at(known, e.step)
+            if x is not None:
+                evals.append((x, e.loss))
+    else:
+        evals = [(float(e.step), e.loss) for e in _thin(series.evals)]
+    evals.sort()
     marks = [] if by_samples else [svg.Mark(s, f"snapshot @{s}", "#0072B2") for s in series.snapshot_steps[-5:]]
+    overlay = svg.Overlay(evals, "eval loss") if series.evals else None
     return svg.plot(points, title="loss against " + ("samples" if by_samples else "step"),
-                    x_label="samples" if by_samples else "step", y_label="loss", colour=colour, marks=marks)
+                    x_label="samples" if by_samples else "step", y_label="loss", colour=colour, marks=marks,
+                    overlay=overlay, label="training loss")
 
 
 def _time_plots(series: RunSeries, colour: str) -> str:
@@ -195,7 +233,8 @@ def run_fragment(run: dict, series: RunSeries, *, colour: str, assigned: Optiona
     if pooled:
         facts[1:1] = [("owner", escape(str(run["owner"]))), ("priority", _num(run.get("priority")))]
         facts += [("peers min / max", f'{_num(run.get("min_peers"))} / {_num(run.get("max_peers"))}'),
-                  ("last loss", _num(run.get("loss"))), ("snapshot", snapshot)]
+                  ("last training loss", _num(run.get("loss"))), ("last eval loss", _eval(run)),
+                  ("snapshot", snapshot)]
     if assigned is not None:
         facts.append(("workers", escape(", ".join(assigned) or "none")))
     facts += [(k, escape(str(v))) for k, v in (run.get("accounting") or {}).items()]

@@ -25,6 +25,24 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "dashboard"
 WAIT = 15.0  # seconds for any state to show in the page (the page polls every 2 s)
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1280,1100"]
+CURSOR = {"samples_applied": 0, "blocks_applied": 0, "blocks_pending": 200, "blocks_skipped": 0, "blocks_duplicated": 0,
+          "data_epoch": 0}
+# Mark labels of each plot that overprint one another (their boxes as the browser lays them out), and marks
+# without a tooltip; returns them described.
+OVERPRINTED_MARKS = """
+const problems = [];
+for (const plot of document.querySelectorAll('svg.plot')) {
+  const boxes = [...plot.querySelectorAll('text.marklabel')].map(t => [t.textContent, t.getBBox()]);
+  for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
+    const [a, p] = boxes[i], [b, q] = boxes[j];
+    if (p.x < q.x + q.width && q.x < p.x + p.width && p.y < q.y + q.height && q.y < p.y + p.height)
+      problems.push(plot.getAttribute('aria-label') + ': ' + a + ' over ' + b);
+  }
+  for (const g of plot.querySelectorAll('g.mark'))
+    if (!g.querySelector('title') || !g.querySelector('title').textContent) problems.push('a mark with no tooltip');
+}
+return problems;
+"""
 RESOURCES = {"devices": [{"kind": "cuda", "memory_gib": 24}], "cpus": 8, "ram_gib": 64}
 
 
@@ -52,11 +70,17 @@ def populate(registry: Registry) -> dict[str, str]:
     registry.assign("w2", "big")
     for step in range(1, 6):
         snapshot = {"snapshot": {"url": "file:///snapshots/big", "step": 3}} if step == 3 else {}
+        cursor = {"cursor": {**CURSOR, "samples_applied": 256 * step, "blocks_applied": 32 * step}}
         registry.report_progress("big", parse_progress({"step": step, "loss": 3.0 / step, "samples_per_second": 90.0 + step,
-                                                        "peers": 2, "samples": 256 * step, **snapshot}))
+                                                        "peers": 2, "samples": 256 * step, **snapshot, **cursor}))
+        if step % 2 == 0:  # the peers' evaluations, as agents forward them
+            registry.report_progress("big", parse_progress({"step": step, "eval": {"step": step, "loss": 2.5 / step}}))
         time.sleep(0.01)  # distinct times on the time axes
     registry.heartbeat("w2", Heartbeat(resident_present=True))  # w2's resident is back: the loop hands it back
     registry.unassign("w2", reason="resident_return")
+    for _ in range(2):  # more marks at the same moment: their labels must not overprint
+        registry.set_run_state("big", "paused", expect="running", reason="pause")
+        registry.set_run_state("big", "running", expect="paused", reason="resume")
     registry.set_run_state("small", "running", expect="pending", reason="start")
     registry.assign("w3", "small")
     return tokens
@@ -170,6 +194,8 @@ def test_pages_show_the_pool_live_and_act_on_it(served, browser, tmp_path):
     token_input.send_keys(tokens["alice"], Keys.ENTER)
 
     wait_for(lambda: text(browser, "#run-big .step") == "5 / 50", "the run's row with its step")
+    assert text(browser, "#run-big .eval-loss") == "0.625 @ step 4" and text(browser, "#run-big .loss") == "0.6"
+    assert text(browser, "#run-small .eval-loss") == "–"
     assert text(browser, "#run-big .state") == "running" and text(browser, "#run-big .peers") == "1 / 1 / 3"
     assert "training big" in text(browser, "#worker-w1 .doing")
     assert text(browser, "#worker-w2 .doing") == "idle" and text(browser, "#worker-w2 .resident") == "present"
@@ -186,6 +212,19 @@ def test_pages_show_the_pool_live_and_act_on_it(served, browser, tmp_path):
     assert len(browser.find_elements(By.CSS_SELECTOR, "svg.plot")[0].find_elements(By.TAG_NAME, "circle")) == 6
     assert len(circles) >= 6 * 2
     assert "handed back w2" in text(browser, "#events") and "snapshot @3" in text(browser, "#events")
+    loss_plot = browser.find_elements(By.CSS_SELECTOR, "svg.plot")[0]
+    assert loss_plot.get_attribute("aria-label") == "loss against step"  # the step-6 report above had no samples
+    diamonds = loss_plot.find_elements(By.CSS_SELECTOR, "path.overlay")
+    assert len(diamonds) == 2 and {d.get_attribute("stroke") for d in diamonds} == {"#000000"}
+    assert [t.get_attribute("textContent") for t in loss_plot.find_elements(By.CSS_SELECTOR, "g.legend text")] == [
+        "training loss", "eval loss"]
+    assert text(browser, "#facts dd.last-eval-loss") == "0.625 @ step 4"
+    assert text(browser, "#facts dd.blocks-applied") == "160" and text(browser, "#facts dd.samples-applied") == "1280"
+    assert text(browser, "#facts dd.blocks-skipped") == "0" and text(browser, "#facts dd.blocks-pending") == "200"
+    marks = browser.find_elements(By.CSS_SELECTOR, "svg.plot g.mark")
+    assert len(marks) >= 2 * 6 and browser.find_elements(By.CSS_SELECTOR, "svg.plot text.marklabel")
+    overprinted = browser.execute_script(OVERPRINTED_MARKS)
+    assert overprinted == [], overprinted
     unlabelled = browser.execute_script(
         "return [...document.querySelectorAll('button')].filter(b => !b.textContent.trim()).length"
         " + [...document.querySelectorAll('input')].filter(i => !document.querySelector('label[for=\"'+i.id+'\"]')).length")

@@ -106,6 +106,8 @@ def test_dashboard_of_a_live_pool(tmp_path, browser):  # noqa: F811
         assert text(browser, "#worker-w1 .doing") == "training r1" and text(browser, "#worker-w1 .resident") == "away"
         wait_for(lambda: text(browser, "#worker-w2 .resident") == "present", "w2's resident present")
         assert text(browser, "#worker-w2 .doing") == "idle"
+        # the peer's evaluations (synthetic: every 5 steps), forwarded by its agent: the row's last eval loss
+        wait_for(lambda: "@ step" in text(browser, "#run-r1 .eval-loss"), "the run's last eval loss", timeout=90)
         _accessible(browser, "pool page")
         screenshot(browser, tmp_path, "live-pool")
 
@@ -115,6 +117,14 @@ def test_dashboard_of_a_live_pool(tmp_path, browser):  # noqa: F811
                              .find_elements(By.TAG_NAME, "circle")) >= 3, "the loss plot's points", timeout=60)
         assert browser.find_elements(By.CSS_SELECTOR, "svg.plot")[0].get_attribute("aria-label") == "loss against samples"
         assert text(browser, "#facts dd.workers") == "w1" and _step(browser, "#facts dd.step") > 0
+        # eval points drawn apart from the training loss (diamonds, with a legend), and the data cursor's accounting
+        wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "svg.plot")[0].find_elements(By.CSS_SELECTOR, "path.overlay"),
+                 "the loss plot's eval points")
+        assert "eval loss" in browser.find_elements(By.CSS_SELECTOR, "svg.plot")[0].find_element(
+            By.CSS_SELECTOR, "g.legend").get_attribute("textContent")
+        assert "@ step" in text(browser, "#facts dd.last-eval-loss")
+        assert int(text(browser, "#facts dd.blocks-applied")) > 0 and text(browser, "#facts dd.blocks-skipped") == "0"
+        assert int(text(browser, "#facts dd.samples-applied")) > 0
         _accessible(browser, "run page")
         screenshot(browser, tmp_path, "live-run")
 

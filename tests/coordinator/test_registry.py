@@ -177,6 +177,51 @@ def test_progress_moves_forward_and_writes_events_only_for_news(registry):
     assert steps == [5, 5, 6]
 
 
+CURSOR = {"samples_applied": 512, "blocks_applied": 8, "blocks_pending": 24, "blocks_skipped": 0,
+          "blocks_duplicated": 1, "data_epoch": 0}
+
+
+def test_the_newest_eval_loss_and_the_newest_steps_data_accounting_are_kept(registry):
+    registry.add_user("alice")
+    registry.submit("alice", sub("r"))
+    assert (registry.run("r")["eval_loss"], registry.run("r")["accounting"]) == (None, None)
+    registry.report_progress("r", Progress(step=10, loss=2.0, cursor=CURSOR))
+    registry.report_progress("r", Progress(step=10, eval_step=10, eval_loss=1.75))
+    row = registry.report_progress("r", Progress(step=12, eval_step=8, eval_loss=9.0))  # a late eval of an older step
+    assert (row["eval_step"], row["eval_loss"], row["loss"]) == (10, 1.75, 2.0)
+    row = registry.report_progress("r", Progress(step=11, cursor={**CURSOR, "blocks_applied": 99}))  # an older step's
+    assert row["accounting"] == CURSOR
+    newer = {**CURSOR, "samples_applied": 768, "blocks_applied": 12, "blocks_pending": 20}
+    registry.report_progress("r", Progress(step=12, cursor=newer))
+    run = registry.run("r")
+    assert run["accounting"] == newer and (run["eval_step"], run["eval_loss"]) == (10, 1.75)
+    evals = [(e["detail"]["eval_step"], e["detail"]["eval_loss"]) for e in registry.events() if "eval_loss" in e["detail"]]
+    assert evals == [(10, 1.75), (8, 9.0)]  # every evaluation is an event (the plot's points); the run keeps the newest
+    assert not any("cursor" in e["detail"] for e in registry.events())  # kept on the run, not in every event
+    json.dumps(registry.runs())
+
+
+def test_an_old_database_gets_the_new_columns_on_open(db_url, clock):
+    first = Registry(db_url, clock=clock)
+    first.add_user("alice")
+    first.submit("alice", sub("r"))
+    first.report_progress("r", Progress(step=3, loss=1.0))
+    first.close()
+    engine = create_engine(db_url)
+    with engine.begin() as conn:  # the runs table as a coordinator before eval losses and accounting made it
+        for column in ("eval_step", "eval_loss", "accounting"):
+            conn.execute(text(f"ALTER TABLE runs DROP COLUMN {column}"))
+    engine.dispose()
+    second = Registry(db_url, clock=clock)
+    assert second.run("r")["step"] == 3 and second.run("r")["accounting"] is None
+    row = second.report_progress("r", Progress(step=4, eval_step=4, eval_loss=0.5, cursor=CURSOR))
+    assert (row["eval_loss"], row["accounting"]) == (0.5, CURSOR)
+    second.close()
+    third = Registry(db_url, clock=clock)  # and opened again: nothing more to add
+    assert third.run("r")["eval_loss"] == 0.5
+    third.close()
+
+
 def test_events_are_a_cursor_by_id(registry):
     registry.add_user("alice")
     for i in range(5):

@@ -399,7 +399,8 @@ async def test_a_peer_step_is_reported_with_the_runs_samples_so_far(tmp_path):
             "cursor": {"samples_applied": 1024, "blocks_applied": 16}}
     await agent._on_peer_line(peer, json.dumps(step).encode())
     assert agent.client.posts == [("runs/r/progress", {"step": 4, "loss": 0.25, "samples_per_second": 80.0, "peers": 2,
-                                                       "samples": 1024})]
+                                                       "samples": 1024,
+                                                       "cursor": {"samples_applied": 1024, "blocks_applied": 16}})]
     await agent._on_peer_line(peer, json.dumps({"event": "step", "step": 5}).encode())  # no cursor: no samples
     await agent._flush(peer, now=True)
     assert agent.client.posts[-1] == ("runs/r/progress", {"step": 5})
@@ -486,3 +487,47 @@ async def test_a_coordinator_whose_peer_died_stops():
     with pytest.raises(SwarmrunError):
         await _revocation_loop(None, PoolPeer(dht), config, lambda *a, **k: None, stop=lambda: stopped.append(1))
     assert stopped == [1]
+
+
+async def test_a_peers_eval_and_its_cursor_summary_reach_the_registry_through_the_api(db_url, tmp_path):
+    """The peer's ``eval`` event is reported at once with its own step; its ``step`` event's cursor summary (only the
+    keys the schema knows) goes with the step. Through the real API app, on SQLite and PostgreSQL."""
+    import asyncio
+
+    from swarmrun.coordinator.agent import _Peer
+
+    registry = Registry(db_url)
+    token = registry.add_user("lab")
+    registry.submit("lab", Submission(run_id="r", task="synthetic", task_args={}))
+    registry.register_worker(Registration(worker_id="w1", hostname="h", resources=CPU), owner="lab")
+    registry.assign("w1", "r")
+    app = make_app(registry)
+
+    class _Api:
+        def __init__(self):
+            self.posts = []
+
+        def post(self, path, body=None):
+            async def go():
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c:
+                    return await c.post(f"/api/{path}", json=body, headers={"Authorization": f"Bearer {token}"})
+            answer = asyncio.run(go())  # the agent posts from a worker thread (asyncio.to_thread)
+            assert answer.status_code == 200, answer.text
+            self.posts.append((path, body))
+            return answer.json()
+
+    agent = _agent(tmp_path)
+    agent.client = _Api()
+    peer = _Peer(run_id="r", proc=None, started=0.0)
+    cursor = {"samples_applied": 640, "blocks_applied": 10, "blocks_pending": 22, "blocks_skipped": 0,
+              "blocks_duplicated": 0, "data_epoch": 0, "a_key_of_a_newer_peer": 1}
+    await agent._on_peer_line(peer, json.dumps({"event": "eval", "step": 10, "loss": 0.75}).encode())
+    await agent._on_peer_line(peer, json.dumps({"event": "step", "step": 10, "loss": 0.8, "cursor": cursor}).encode())
+    await agent._on_peer_line(peer, json.dumps({"event": "eval", "step": 11, "loss": float("nan")}).encode())  # not sent
+    await agent._flush(peer, now=True)
+    assert agent.client.posts[0] == ("runs/r/progress", {"step": 10, "eval": {"step": 10, "loss": 0.75}})
+    assert [k for k, _ in agent.events.seen].count("peer_eval") == 1 and len(agent.client.posts) == 2
+    run = registry.run("r")
+    assert (run["eval_step"], run["eval_loss"], run["loss"]) == (10, 0.75, 0.8)
+    assert run["accounting"] == {k: v for k, v in cursor.items() if k != "a_key_of_a_newer_peer"}
+    registry.close()

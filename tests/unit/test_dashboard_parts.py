@@ -97,3 +97,73 @@ def test_a_run_page_draws_at_most_plot_points_per_plot_the_newest_included():
         s.add(Point(time=float(i), step=i, loss=1.0 / (i + 1), samples_per_second=10.0, peers=2))
     out = run_fragment({"run_id": "r", "state": "running", "step": 1499, "total_steps": 3000}, s, colour=svg.colour(0))
     assert out.count("<circle") == 3 * PLOT_POINTS and "<title>1499: " in out
+
+
+def test_history_keeps_eval_points_once_per_step_and_no_extra_point_for_an_eval_alone():
+    h = History()
+    h.apply([ev(1, "progress", 10.0, "r", step=5, loss=2.0, samples=320),
+             ev(2, "progress", 10.5, "r", step=5, eval_step=5, eval_loss=1.8),
+             ev(3, "progress", 10.6, "r", step=5, eval_step=5, eval_loss=1.9),  # another peer of the group: same step
+             ev(4, "progress", 11.0, "r", step=6, loss=1.7, samples=384),
+             ev(5, "progress", 12.0, "r", step=10, eval_step=10, eval_loss=1.2)])  # reported before its step's point
+    s = h.runs["r"]
+    assert [(e.step, e.loss) for e in s.evals] == [(5, 1.8), (10, 1.2)]
+    assert [p.step for p in s.points] == [5, 6, 10]
+
+
+def test_the_loss_plot_draws_eval_points_as_labelled_diamonds_at_their_samples():
+    from swarmrun.coordinator.history import EvalPoint
+    from swarmrun.coordinator.web import _samples_at, run_fragment
+
+    known = [(1, 64), (2, 128), (4, 256)]
+    assert _samples_at(known, 2) == 128 and _samples_at(known, 3) == 192 and _samples_at(known, 6) == 384
+    assert _samples_at(known, 0) == 0 and _samples_at([(2, 100)], 4) == 200 and _samples_at([], 3) is None
+    s = RunSeries()
+    for i in range(1, 11):
+        s.add(Point(time=float(i), step=i, loss=2.0 / i, samples=64 * i))
+    s.evaluated(EvalPoint(5.5, 5, 0.5))
+    s.evaluated(EvalPoint(10.5, 10, 0.25))
+    out = run_fragment({"run_id": "r", "state": "running", "eval_loss": 0.25, "eval_step": 10, "owner": "a",
+                        "accounting": {"blocks_applied": 10, "blocks_skipped": 0}}, s, colour=svg.colour(0))
+    loss_plot = out[out.index('aria-label="loss against samples"'):out.index("</svg>")]
+    assert loss_plot.count('class="overlay"') == 2 and loss_plot.count("<circle") == 10
+    assert "<title>eval loss 320: 0.5</title>" in loss_plot and "<title>eval loss 640: 0.25</title>" in loss_plot
+    assert 'class="legend"' in loss_plot and ">eval loss</text>" in loss_plot and ">training loss</text>" in loss_plot
+    assert 'stroke="#000000"' in loss_plot  # black hollow diamonds: not one of the run colours, and another shape
+    assert '<dd class="last-eval-loss">0.25 @ step 10</dd>' in out
+    assert '<dd class="blocks-applied">10</dd>' in out and '<dd class="blocks-skipped">0</dd>' in out
+    only_evals = RunSeries()
+    only_evals.evaluated(EvalPoint(1.0, 5, 0.5))
+    assert 'class="overlay"' in run_fragment({"run_id": "r", "state": "running"}, only_evals, colour=svg.colour(0))
+
+
+def test_the_pool_table_shows_the_last_eval_loss_apart_from_the_training_loss():
+    from swarmrun.coordinator.web import pool_fragment
+
+    run = {"run_id": "r", "state": "running", "priority": 1, "owner": "a", "min_peers": 1, "max_peers": 2, "step": 10,
+           "total_steps": 100, "samples_per_second": 5.0, "loss": 0.75, "eval_loss": 0.5, "eval_step": 10}
+    out = pool_fragment([run, {**run, "run_id": "q", "eval_loss": None, "eval_step": None}], [], History(), 0.0)
+    assert '<th scope="col">last eval loss</th>' in out
+    assert '<td class="loss">0.75</td><td class="eval-loss">0.5 @ step 10</td>' in out
+    assert '<td class="eval-loss">–</td>' in out
+
+
+def _overlapping(labels):
+    boxes = [(x - (w if anchor == "end" else 0), x + (0 if anchor == "end" else w), lane) for x, w, anchor, lane in labels]
+    return [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a[2] == b[2] and a[0] < b[1] and b[0] < a[1]]
+
+
+def test_mark_labels_close_together_go_in_lanes_and_the_rest_are_thinned_keeping_their_tooltips():
+    xs = [100.0, 104.0, 108.0, 112.0, 116.0, 120.0, 124.0, 400.0, 625.0]  # seven marks within 24 px, one at the edge
+    labels = ["paused", "resumed", "preempted w1", "handed back w2", "held", "released", "resident back w3", "start",
+              "finished"]
+    places = svg.label_lanes(xs, labels)
+    drawn = [(p[0], 6.5 * len(lab), p[1], p[2]) for p, lab in zip(places, labels) if p is not None]
+    assert not _overlapping(drawn)
+    assert sum(p is None for p in places) == 2 and places[0] is not None and places[7] == (403.0, "start", 0)
+    assert places[8][1] == "end" and places[8][0] == 622.0  # near the right edge: drawn left of its line
+    out = svg.plot([(x, 1.0) for x in range(100, 630, 10)], title="t", x_label="x", y_label="y",
+                   marks=[svg.Mark(x, lab) for x, lab in zip(xs, labels)])
+    assert out.count('<g class="mark">') == 7 and out.count('<g class="mark unlabelled">') == 2
+    assert out.count('class="marklabel"') == 7 and all(f"<title>{lab}</title>" in out for lab in labels)
+    assert out.index('class="marklabels"') > out.rindex("<line")  # labels over every mark's line, not under one
