@@ -38,13 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from sqlalchemy import create_engine, event, inspect, select, update
+from sqlalchemy import create_engine, event, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from swarmrun.coordinator.schema import Heartbeat, Progress, Registration, Submission, check_name
 from swarmrun.coordinator.tables import (
+    add_new_columns, sqlite_pragmas,
     AssignmentRow as _Assignment, Base as _Base, CertificateRow as _Certificate, EventRow as _Event, RunKeyRow as _RunKey,
     RunRow as _Run, UserRow as _User, WorkerRow as _Worker,
 )
@@ -100,17 +101,6 @@ def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
-def _sqlite_pragmas(dbapi_connection, _record) -> None:
-    # WAL lets the API read while the loop writes; FULL syncs each commit (durable on power
-    # loss too); foreign keys are off by default in SQLite.
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=FULL")
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute("PRAGMA busy_timeout=10000")
-    cursor.close()
-
-
 def _row(obj: _Base, exclude: tuple[str, ...] = ("id",)) -> dict[str, Any]:
     return {c.key: getattr(obj, c.key) for c in obj.__table__.columns if c.key not in exclude}
 
@@ -129,24 +119,11 @@ class Registry:
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
         self._engine = create_engine(url, pool_pre_ping=True)
         if parsed.get_backend_name() == "sqlite":
-            event.listen(self._engine, "connect", _sqlite_pragmas)
+            event.listen(self._engine, "connect", sqlite_pragmas)
         self._clock = clock
         self._lock = threading.Lock()
         _Base.metadata.create_all(self._engine)
-        self._add_new_columns()
-
-    def _add_new_columns(self) -> None:
-        """Columns added since a database was created (nullable ones only): ``create_all`` makes missing tables,
-        not missing columns, and a coordinator upgraded in place opens its old database."""
-        have = {c["name"] for c in inspect(self._engine).get_columns(_Run.__tablename__)}
-        missing = [c for c in _Run.__table__.columns if c.key not in have]
-        if not missing:
-            return
-        with self._engine.begin() as conn:
-            for column in missing:
-                assert column.nullable, f"a new column must be nullable: {column.key}"
-                kind = column.type.compile(dialect=self._engine.dialect)
-                conn.exec_driver_sql(f'ALTER TABLE {_Run.__tablename__} ADD COLUMN "{column.key}" {kind}')
+        add_new_columns(self._engine)
 
     def close(self) -> None:
         """Close every pooled connection (the data is already committed)."""

@@ -3,10 +3,11 @@ certificates and events. ``registry.Registry`` is their only reader and writer; 
 
 from __future__ import annotations
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, LargeBinary, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, LargeBinary, String, Text, inspect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["Base", "UserRow", "RunRow", "WorkerRow", "AssignmentRow", "RunKeyRow", "CertificateRow", "EventRow"]
+__all__ = ["Base", "UserRow", "RunRow", "WorkerRow", "AssignmentRow", "RunKeyRow", "CertificateRow", "EventRow",
+           "add_new_columns", "sqlite_pragmas"]
 
 
 class Base(DeclarativeBase):
@@ -100,3 +101,28 @@ class EventRow(Base):
     worker_id: Mapped[str | None] = mapped_column(String(64))
     detail: Mapped[dict] = mapped_column(JSON)
     __table_args__ = (Index("ix_events_run_id_id", "run_id", "id"),)
+
+
+def add_new_columns(engine) -> None:
+    """Columns of ``runs`` added since a database was created (nullable ones only): ``create_all`` makes missing
+    tables, not missing columns, and a coordinator upgraded in place opens its old database."""
+    have = {c["name"] for c in inspect(engine).get_columns(RunRow.__tablename__)}
+    missing = [c for c in RunRow.__table__.columns if c.key not in have]
+    if not missing:
+        return
+    with engine.begin() as conn:
+        for column in missing:
+            assert column.nullable, f"a new column must be nullable: {column.key}"
+            kind = column.type.compile(dialect=engine.dialect)
+            conn.exec_driver_sql(f'ALTER TABLE {RunRow.__tablename__} ADD COLUMN "{column.key}" {kind}')
+
+
+def sqlite_pragmas(dbapi_connection, _record) -> None:
+    # WAL lets the API read while the loop writes; FULL syncs each commit (durable on power
+    # loss too); foreign keys are off by default in SQLite.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.close()
