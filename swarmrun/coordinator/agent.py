@@ -87,6 +87,10 @@ class _Peer:
     stopping: bool = field(default=False)
     pending: Optional[dict] = None  # the newest step not yet reported
     reported_at: float = 0.0
+    # the run's state is here: a peer that creates or resumes the run from the start, a joiner once it bootstrapped
+    # or stepped. Only such a peer is reported to the coordinator: a joiner still looking for the state does not
+    # hold the run (its peers may all have left), and leading others to it restarted the run from step 0
+    holds_state: bool = False
 
 
 class Agent:
@@ -129,8 +133,8 @@ class Agent:
         if present and self.peer is not None:
             await self.stop_peer("resident returned")  # at once: the coordinator hears of it on this heartbeat
         body: dict[str, Any] = {"resident_present": present}
-        if self.peer is not None and not self.peer.stopping:  # maddr None while it starts: it runs, not yet listens
-            body["peer"] = {"run_id": self.peer.run_id, "maddr": self.peer.maddr}
+        if self.peer is not None and self.peer.holds_state and not self.peer.stopping:
+            body["peer"] = {"run_id": self.peer.run_id, "maddr": self.peer.maddr}  # maddr None until it listens
         if self.peer is not None:
             await self._flush(self.peer, now=True)
         for run_id, report in list(self.unreported.items()):  # sent again once the coordinator is back
@@ -192,7 +196,7 @@ class Agent:
             logger.warning(f"no certificate for run {run_id}: {e}")
             self.last_exit = time.monotonic()
             return
-        await self.start_peer(run_id, args)
+        await self.start_peer(run_id, args, holds_state=not assignment.get("peers"))
 
     async def _admission(self, assignment: dict[str, Any], creating: bool) -> list[str]:
         """``--invite FILE`` (a certificate for this assignment's peer id) and, for a new run, ``--spec FILE`` (its
@@ -245,7 +249,7 @@ class Agent:
         since = self.waiting.setdefault(run_id, time.monotonic())
         return time.monotonic() - since >= self.config.snapshot_wait
 
-    async def start_peer(self, run_id: str, args: list[str]) -> None:
+    async def start_peer(self, run_id: str, args: list[str], *, holds_state: bool = False) -> None:
         state_dir = self.config.state_dir / "runs" / run_id
         state_dir.mkdir(parents=True, exist_ok=True)
         store = self._store_of(run_id)
@@ -258,7 +262,7 @@ class Agent:
         log.close()
         self.waiting.pop(run_id, None)
         self.told.discard(run_id)
-        self.peer = _Peer(run_id=run_id, proc=proc, started=time.monotonic())
+        self.peer = _Peer(run_id=run_id, proc=proc, started=time.monotonic(), holds_state=holds_state)
         self.peer.reader = asyncio.create_task(self._read(self.peer))
         self.events.emit("peer_started", run_id=run_id, pid=proc.pid, args=args)
 
@@ -280,6 +284,8 @@ class Agent:
         except ValueError:
             return
         kind = event.get("event")
+        if kind in ("bootstrapped", "step", "resync"):
+            peer.holds_state = True
         if kind == "listening" and event.get("maddrs"):
             peer.maddr = event["maddrs"][0]
             self.events.emit("peer_listening", run_id=peer.run_id, maddr=peer.maddr)

@@ -226,7 +226,7 @@ def _agent(tmp_path, store=None, **config):
     agent.store = store
     agent.started = []
 
-    async def start_peer(run_id, args):
+    async def start_peer(run_id, args, **kw):
         agent.started.append(args)
 
     agent.start_peer = start_peer
@@ -531,3 +531,37 @@ async def test_a_peers_eval_and_its_cursor_summary_reach_the_registry_through_th
     assert (run["eval_step"], run["eval_loss"], run["loss"]) == (10, 0.75, 0.8)
     assert run["accounting"] == {k: v for k, v in cursor.items() if k != "a_key_of_a_newer_peer"}
     registry.close()
+
+
+async def test_a_joiner_is_reported_to_the_coordinator_only_once_it_holds_the_runs_state(tmp_path):
+    """A joiner whose peers all left while it looked for the state holds nothing: reported as the run's peer, it was
+    made the run's leader, the others joined it, and the run restarted from step 0 (the pool trace lost 14 steps).
+    A leader's peer (creating or resuming) is reported from its start; a joiner once it bootstrapped or stepped."""
+    from swarmrun.coordinator.agent import _Peer
+
+    class _Up:
+        def __init__(self):
+            self.posts = []
+
+        def post(self, path, body=None):
+            self.posts.append((path, body))
+            return _assignment(peers=["/ip4/1.2.3.4/tcp/6/p2p/QmOther"])  # the same run: the peer trains on
+
+    class _Proc:
+        returncode = None
+
+    agent = _agent(tmp_path)
+    agent.client = _Up()
+    agent.peer = peer = _Peer(run_id="r", proc=_Proc(), started=0.0)  # a joiner (holds_state False)
+    await agent._on_peer_line(peer, json.dumps({"event": "listening", "maddrs": ["/ip4/1.2.3.4/tcp/5/p2p/Qm"]}).encode())
+    await agent.tick()
+    assert "peer" not in agent.client.posts[-1][1]
+    await agent._on_peer_line(peer, json.dumps({"event": "bootstrapped", "step": 14}).encode())
+    await agent.tick()
+    beat = [b for p, b in agent.client.posts if p.endswith("heartbeat")][-1]
+    assert beat["peer"] == {"run_id": "r", "maddr": "/ip4/1.2.3.4/tcp/5/p2p/Qm"}
+    leader = _Peer(run_id="r", proc=_Proc(), started=0.0, holds_state=True)  # resuming, not listening yet
+    agent.peer = leader
+    await agent.tick()
+    beat = [b for p, b in agent.client.posts if p.endswith("heartbeat")][-1]
+    assert beat["peer"] == {"run_id": "r", "maddr": None}
