@@ -9,7 +9,6 @@ loopback; the attacker a separate node with its own identity and no swarmrun val
 from __future__ import annotations
 
 import dataclasses
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +17,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarmrun.node.net.records import owner_subkey, read_history
+from swarmrun.node.net.records import owner_subkey, read_history, store_own
 from swarmrun.node.net.swarm import (
     SwarmConfig,
     peer_id_of,
@@ -79,18 +78,14 @@ def test_a_strangers_values_neither_replace_nor_hide_the_owners_pause_or_a_peers
                       record_validators=run_validators(owner, [RUN]))
         dhts.append(session)
         real = _pause(owner, spec, at_step=5)
-        for _ in range(10):  # as `node pause` does, it stores again if no node took it (a new node's first store)
-            if session.store(pause_key(RUN), real.encode(), subkey=owner_subkey(spec.owner_key),
-                             expiration_time=get_dht_time() + 120):
-                break
-            time.sleep(1.0)
-        else:
-            raise AssertionError("the swarm refused the owner's pause ten times")
+        # `node pause`'s store: hivemind's store answers with the last replica's answer, and the stranger's node, which
+        # keeps its plain value under the key with a later expiration, refuses every subkey (store_own reads back)
+        assert run_async(store_own(session, pause_key(RUN), real.encode(), owner_subkey(spec.owner_key), 120))
         # the trainer republishes the run's history under its own signed subkey (SnapshotSide._publish_history)
         history = (Amendment(step=1, from_spec="a" * 64, to_spec=spec.spec_hash(), changes={"lr": 0.2},
                              time=get_dht_time(), signature=b"s").encode(),)  # readers verify it (choose_history)
-        assert trainer.store(history_key(RUN), pack(list(history)), expiration_time=get_dht_time() + 120,
-                             subkey=signed_subkey(record_validator(tkey), trainer.peer_id.to_base58()))
+        assert run_async(store_own(trainer, history_key(RUN), pack(list(history)),
+                                   signed_subkey(record_validator(tkey), trainer.peer_id.to_base58()), 120))
 
         # a joiner started after the attack reads both (find path: the stranger's node answers too)
         joiner, _ = start_dht(SwarmConfig(state_dir=tmp_path / "joiner", initial_peers=tuple(maddrs),
@@ -102,6 +97,29 @@ def test_a_strangers_values_neither_replace_nor_hide_the_owners_pause_or_a_peers
             assert got == real, f"the trainer did not see the owner's pause: {got}"
             assert run_async(read_history(dht, history_key(RUN))) == [history]
         assert peer_id_of(public_key_bytes(akey)) != trainer.peer_id.to_base58()
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_one_refusing_replica_does_not_make_a_store_that_others_took_look_refused(tmp_path):
+    """hivemind's store answers with the last replica's answer: a stranger's node keeping a plain value with a later
+    expiration refuses every subkey, and its (remote, so last) refusal hides that the writer's own node took the
+    record. ``store_own`` reads back (``node pause`` and ``node revoke`` report no failure that did not happen)."""
+    dhts: list[DHT] = []
+    try:
+        writer, wkey = start_dht(SwarmConfig(state_dir=tmp_path / "writer", listen=tuple(LOOPBACK)), run_ids=[RUN])
+        dhts.append(writer)
+        stranger = DHT(start=True, host_maddrs=LOOPBACK, initial_peers=[str(m) for m in writer.get_visible_maddrs()],
+                       record_validators=[RSASignatureValidator(RSAPrivateKey())])
+        dhts.append(stranger)
+        stranger.store(history_key(RUN), b"\x00" * 8, expiration_time=get_dht_time() + TEN_YEARS)
+        subkey = signed_subkey(record_validator(wkey), writer.peer_id.to_base58())
+        value = pack([])
+        assert not writer.store(history_key(RUN), value, expiration_time=get_dht_time() + 60, subkey=subkey), \
+            "hivemind's store no longer reports the last replica's refusal: store_own's read-back may be moot"
+        assert run_async(store_own(writer, history_key(RUN), value, subkey, 60))
     finally:
         for dht in dhts:
             dht.shutdown()

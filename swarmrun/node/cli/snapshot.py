@@ -287,8 +287,7 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
 
     from swarmrun.protocol.snapshot import PauseNote, PauseRecord, pause_key, paused_key, trainer_notes
     from swarmrun.node.peer.access import AccessGate
-    from swarmrun.node.net.records import owner_session, owner_subkey, read_subkeys, read_view
-    from swarmrun.node.runtime import await_future
+    from swarmrun.node.net.records import owner_session, owner_subkey, read_subkeys, read_view, store_own
 
     # the session is a full DHT node: the peers' notes must outlive the peers, which leave right after
     async with owner_session(run_id, initial_peers, key, action="pause it", listen=listen) as (dht, signed):
@@ -312,9 +311,8 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
         published = 0.0
         while time.monotonic() < deadline:
             if time.monotonic() - published > 30:
-                stored = await await_future(dht.store(  # the owner's signed subkey: no one else writes or hides it
-                    pause_key(run_id), record.encode(), subkey=owner_subkey(spec.owner_key),
-                    expiration_time=get_dht_time() + 120, return_future=True))
+                # the owner's signed subkey: no one else writes or hides it
+                stored = await store_own(dht, pause_key(run_id), record.encode(), owner_subkey(spec.owner_key), 120)
                 published = time.monotonic() if stored else 0.0  # not accepted: publish it again next turn
             live = {p for p, r in (await read_view(dht, run_id, gate)).trainers.items() if not r.finished}
             # only the trainers' own signed notes count: a stranger's "left, written to STORE@..." is ignored

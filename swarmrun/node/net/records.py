@@ -166,6 +166,24 @@ async def read_latest(dht: DHT, key: str):
     return await await_future(dht.get(key, latest=True, return_future=True))
 
 
+async def store_own(dht: DHT, key: str, value: bytes, subkey: bytes, ttl: float) -> bool:
+    """Store ``value`` under the writer's own (signed) ``subkey``; True if at least one node holds it.
+
+    hivemind's ``DHT.store`` answers with the answer of whichever replica finished *last* (``store_many`` in
+    hivemind/dht/node.py overwrites ``store_ok`` with each finished store), not "any took it". One refusing replica
+    then turns a store the others took into False: a stranger's node keeping a plain value under the key with a later
+    expiration refuses every subkey, so a stranger could make ``node revoke`` or ``node pause`` report a failure that
+    did not happen. On False, read the key back and look for our value under our subkey.
+    """
+    if await await_future(dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey,
+                                    return_future=True)):
+        return True
+    found = await await_future(dht.get(key, latest=True, return_future=True))
+    if found is None or not isinstance(found.value, dict) or subkey not in found.value:
+        return False
+    return found.value[subkey].value == value
+
+
 def owner_subkey(owner_key: bytes) -> bytes:
     """The DHT subkey only the run's owner can write (hivemind's signed records; see swarm.record_validator)."""
     return b"[owner:" + owner_key + b"]"
@@ -174,9 +192,8 @@ def owner_subkey(owner_key: bytes) -> bytes:
 async def publish_revocations(dht: DHT, revocations: Revocations, owner_key: bytes) -> None:
     from swarmrun.node.runtime import await_future
 
-    ok = await await_future(dht.store(revocation_key(revocations.run_id), revocations.encode(), subkey=owner_subkey(owner_key),
-                                expiration_time=get_dht_time() + REVOCATION_TTL, return_future=True))
-    if not ok:
+    if not await store_own(dht, revocation_key(revocations.run_id), revocations.encode(), owner_subkey(owner_key),
+                           REVOCATION_TTL):
         raise AccessRefused("the swarm did not accept the revocation list")
 
 
