@@ -60,14 +60,12 @@ def main() -> int:
 
     dht = hivemind.DHT(start=True, initial_peers=args.peers or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     emit("listening", maddrs=[str(m) for m in dht.get_visible_maddrs()])
-    opt = hivemind.Optimizer(
-        dht=dht, run_id=args.run_id, target_batch_size=target, batch_size_per_step=args.batch_size,
-        optimizer=optimizer, scheduler=scheduler,
-        matchmaking_time=args.matchmaking_time, averaging_timeout=cfg.averaging_timeout,
-        allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
-        load_state_timeout=cfg.state_timeout, averager_opts=dict(request_timeout=cfg.request_timeout),
-        use_local_updates=False, shutdown_timeout=3.0, verbose=args.verbose,
-    )
+    opt = hivemind.Optimizer(dht=dht, run_id=args.run_id, target_batch_size=target, batch_size_per_step=args.batch_size,
+                             optimizer=optimizer, scheduler=scheduler, matchmaking_time=args.matchmaking_time,
+                             averaging_timeout=cfg.averaging_timeout, allreduce_timeout=cfg.allreduce_timeout,
+                             next_chunk_timeout=cfg.next_chunk_timeout, load_state_timeout=cfg.state_timeout,
+                             averager_opts=dict(request_timeout=cfg.request_timeout), use_local_updates=False,
+                             shutdown_timeout=3.0, verbose=args.verbose)
     emit("ready", epoch=opt.local_epoch)
     model.train()
     data = batches(task, hparams, args.seed, args.batch_size, start=args.start)

@@ -30,7 +30,7 @@ from swarmrun.protocol.errors import SwarmrunError
 from .checks import Life
 from .poolchecks import PoolRecord
 from .pooltrace import PoolEvent, PoolTrace
-from .runner import kill_groups, wait_groups_gone
+from .groups import kill_groups, wait_groups_gone
 
 Emit = Callable[..., None]
 ROOT = Path(__file__).resolve().parents[1]  # the tree the pool's processes import (agents start peers elsewhere)

@@ -28,14 +28,13 @@ from swarmrun.node import PeerProcess, start_peer
 from swarmrun.protocol.errors import SwarmrunError, UsageError
 
 from .checks import Life, Record
-from .delayproxy import LinkAudit, ProxyHandle, free_port, start_proxy
-from .trace import Event, Trace
+from .groups import kill_groups, wait_groups_gone
+from .links import Links
+from .trace import Event, Trace, default_hparam, sample_budget_of
 
 Emit = Callable[..., None]
 LISTEN_TIMEOUT = 120.0  # the creator's first `listening`
 FINISH_GRACE = 60.0  # after the run finished, how long the other peers get to leave on their own
-PEER_PORT_IN_NAMESPACE = 4001  # a proxied peer's real port in its own namespace (its proxy's port is the OS's)
-AUDIT_EVERY = 5.0  # seconds between two scans for connections that bypassed a delay proxy
 
 
 def pause_supported() -> bool:
@@ -79,7 +78,7 @@ class Simulation:
         self.t_start: Optional[float] = None  # when the creator listened: time 0 of the trace
         self.timers: list = []  # heap of (t, seq, what, callable)
         self._seq = 0
-        self.network = None
+        self.links = Links(trace, logs=logs, emit=emit, now=self.now)
         self.stalled: set[str] = set()
         self.pause_proc: Optional[subprocess.Popen] = None
         self.pause_event: Optional[Event] = None
@@ -88,9 +87,6 @@ class Simulation:
         self.first_hash: dict = {}  # step -> (state_hash, key) of its first commit seen
         self.cleaned = False
         self.fired = 0
-        self.proxies: dict[str, ProxyHandle] = {}  # peer name -> its delay proxy (traces with latency)
-        self.audit = LinkAudit()
-        self._next_audit = 0.0
 
     # ---- clock ------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -134,16 +130,8 @@ class Simulation:
             args += ["--peers", *peers]
         args += ["--state-dir", str(self.state_root / name), "--device", "cpu", "--batch-size", str(tr.batch_size),
                  "--matchmaking-time", str(tr.matchmaking_time), "--min-peers", str(tr.min_peers)]
-        prefix: list[str] = []
-        host = "127.0.0.1"
-        if self.network is not None:
-            link = self.network.add_peer(name, index, tr.link_rate)
-            host, prefix = link.ip, self.network.prefix(name)
-        if tr.proxied:
-            proxy = self._proxy(name, host, prefix)
-            args += ["--listen", f"/ip4/{host}/tcp/{proxy.upstream[1]}", "--announce", f"/ip4/{host}/tcp/{proxy.port}"]
-        elif self.network is not None:
-            args += ["--listen", f"/ip4/{host}/tcp/0"]
+        prefix, listen = self.links.attach(name, index)
+        args += listen
         if any(e.kind == "pause" for e in self.events):
             args += ["--snapshot-to", str(self.store)]
         self.current[name] = key
@@ -152,35 +140,6 @@ class Simulation:
         if not initial:
             self.fault("join", name)
         self.emit("sim", message=f"started {key}" + (" (resume)" if resume else ""), t=round(self.now(), 2))
-
-    def _proxy(self, name: str, host: str, prefix: list[str]) -> ProxyHandle:
-        """The peer's delay proxy (one per name, kept across its incarnations, so a rejoin keeps its ports): it
-        listens on an OS-chosen port and forwards to the peer's real port. In a namespace both live in the
-        peer's namespace (the proxy's inbound connections keep the dialer's address, so the partition and loss
-        rules still see who sent what); on loopback the real port is one free now."""
-        if name in self.proxies:
-            return self.proxies[name]
-        upstream = (host, PEER_PORT_IN_NAMESPACE if prefix else free_port(host))
-        log = open(self.logs / f"proxy-{name}.log", "ab")
-        try:
-            proxy = start_proxy((host, 0), upstream, self.trace.latency_ms or 0.0, log=log, prefix=prefix)
-        except RuntimeError as e:
-            raise SwarmrunError(f"{e} (see {self.logs / f'proxy-{name}.log'})") from None
-        finally:
-            log.close()
-        self.proxies[name] = proxy
-        self.emit("sim", message=f"{name}: delay proxy {host}:{proxy.port} -> {host}:{upstream[1]}, "
-                                 f"{proxy.delay_ms:g} ms each way")
-        return proxy
-
-    def _audit_links(self) -> None:
-        """Every few seconds, look for a connection that reached a peer's real port without its proxy."""
-        if not self.proxies or self.now() < self._next_audit:
-            return
-        self._next_audit = self.now() + AUDIT_EVERY
-        pids = [p.proc.pid for p in self.proxies.values() if p.proc.poll() is None]
-        tables = [f"/proc/{pid}/net/tcp" for pid in pids] if self.network is not None else ["/proc/net/tcp"]
-        self.audit.scan({p.upstream for p in self.proxies.values()}, pids, tables)
 
     def _known_maddrs(self) -> list[str]:
         live = self.alive()
@@ -208,10 +167,10 @@ class Simulation:
             return
         if ev.kind == "partition":
             side = set(ev.peers)
-            self.network.partition(side)
+            self.links.partition(side)
             self.fault("partition", sorted(side), duration=ev.duration)
             if ev.duration:
-                self._later(ev.duration, "heal", lambda: (self.network.partition(set()), self.fault("partition_end", sorted(side))))
+                self._later(ev.duration, "heal", lambda: (self.links.partition(set()), self.fault("partition_end", sorted(side))))
             return
         name = self._target(ev, index)
         if name is None:
@@ -237,19 +196,19 @@ class Simulation:
             self.fault("stall", name, duration=ev.duration)
             self._later(ev.duration, f"resume {name}", lambda: self._cont(name, proc))
         elif ev.kind == "slow":
-            self.network.set_rate(name, ev.rate)
+            self.links.set_rate(name, ev.rate)
             self.fault("slow", name, rate=ev.rate, duration=ev.duration)
             if ev.duration:
                 self._later(ev.duration, f"unslow {name}", lambda: self._link(name, rate=self.trace.link_rate))
         elif ev.kind == "latency":
-            self.proxies[name].set_delay(ev.ms)
+            self.links.set_delay(name, ev.ms)
             self.fault("latency", name, ms=ev.ms, duration=ev.duration)
             if ev.duration:
                 base = self.trace.latency_ms or 0.0
                 self._later(ev.duration, f"latency {name} back",
-                            lambda: (self.proxies[name].set_delay(base), self.fault("latency_end", name, ms=base)))
+                            lambda: (self.links.set_delay(name, None), self.fault("latency_end", name, ms=base)))
         elif ev.kind == "loss":
-            self.network.set_loss(name, ev.percent)
+            self.links.set_loss(name, ev.percent)
             self.fault("loss", name, percent=ev.percent, duration=ev.duration)
             if ev.duration:
                 self._later(ev.duration, f"no loss {name}", lambda: self._link(name, loss=0.0))
@@ -260,13 +219,8 @@ class Simulation:
         self.fault("stall_end", name)
 
     def _link(self, name: str, *, rate: Any = "keep", loss: Optional[float] = None) -> None:
-        if name not in self.network.links:
-            return
-        if rate != "keep":
-            self.network.set_rate(name, rate)
-        if loss is not None:
-            self.network.set_loss(name, loss)
-        self.fault("link_end", name)
+        if self.links.restore(name, rate=rate, loss=loss):
+            self.fault("link_end", name)
 
     def _target(self, ev: Event, index: int) -> Optional[str]:
         live = sorted(self.alive())
@@ -352,17 +306,13 @@ class Simulation:
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self) -> Record:
         """Run the trace to its end. Raises SwarmrunError when the run cannot even start."""
-        from .netns import Network
-
         tr = self.trace
         self.rec.sample_budget = sample_budget_of(tr.task, tr.sets)
         if not self.rec.sample_budget:  # a sample budget's last step is the peers' to tell (checks.run_end)
-            self.rec.total_steps = int(tr.sets.get("total_steps", 0)) or _default_hparam(tr.task, "total_steps")
-        self.rec.target_batch_size = int(tr.sets.get("target_batch_size", 0)) or _default_hparam(tr.task, "target_batch_size")
+            self.rec.total_steps = int(tr.sets.get("total_steps", 0)) or default_hparam(tr.task, "total_steps")
+        self.rec.target_batch_size = int(tr.sets.get("target_batch_size", 0)) or default_hparam(tr.task, "target_batch_size")
         try:
-            if tr.links:
-                self.network = Network(f"{os.getpid() % 0xFFFF:04x}", os.getpid() % 1000)
-                self.network.open()
+            self.links.open()
             self.spawn("peer0", initial=True)
             self._loop()
         finally:
@@ -400,7 +350,7 @@ class Simulation:
                 _, _, what, fn = heapq.heappop(self.timers)
                 fn()
             self._poll_pause()
-            self._audit_links()
+            self.links.audit_now()
             front = max((e.get("step", 0) for _, _, e in self.rec.of("step", "bootstrapped", "resumed")), default=0)
             while pending and self.finished_at is None and not self.holding:
                 i, ev = pending[0]
@@ -490,16 +440,8 @@ class Simulation:
         groups = [p.proc.pid for p in self.procs.values()]
         if self.pause_proc is not None:
             groups.append(self.pause_proc.pid)
-        if self.proxies:
-            self.rec.proxies = dict(latency_ms=self.trace.latency_ms, scans=self.audit.scans,
-                                    direct_connections=sorted(f"{a[0]}:{a[1]} -> {b[0]}:{b[1]}" for a, b in self.audit.direct),
-                                    per_peer={n: p.stats() for n, p in self.proxies.items()})
-        for p in self.proxies.values():
-            groups.append(p.proc.pid)
-            try:
-                p.proc.stdin.close()  # it exits by itself on this; the SIGKILL below is for one that does not
-            except OSError:
-                pass
+        self.rec.proxies = self.links.report() or self.rec.proxies
+        groups += self.links.stop_proxies()  # they exit by themselves; the SIGKILL below is for one that does not
         for key, p in self.procs.items():
             life = self.rec.lives[key]
             if life.end is None:
@@ -510,47 +452,15 @@ class Simulation:
                 p.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        for p in self.proxies.values():
-            try:
-                p.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        self.links.wait_proxies()
         if self.pause_proc is not None:
             try:
                 self.pause_proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
         self.cleaned = wait_groups_gone(groups, time.monotonic() + 15)
-        if self.network is not None:
-            self.network.close()
+        self.links.close()
         shutil.rmtree(self.state_root, ignore_errors=True)
-
-
-def kill_groups(groups) -> None:
-    """SIGKILL each process group (SIGCONT first: a stopped group would not die until continued)."""
-    for pgid in groups:
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.killpg(pgid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def wait_groups_gone(groups, deadline: float) -> bool:
-    """Wait (until the monotonic ``deadline``) for every process group to be gone; whether they all are."""
-    while time.monotonic() < deadline and any(group_exists(g) for g in groups):
-        time.sleep(0.2)
-    return not any(group_exists(g) for g in groups)
-
-
-def group_exists(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _signal(proc: PeerProcess, sig: int) -> None:
@@ -565,28 +475,3 @@ def _last_index(rows: list, kind: str) -> int:
         if rows[i]["kind"] == kind:
             return i
     return -1
-
-
-def sample_budget_of(task: str, sets) -> bool:
-    """Whether the trace's run ends on a sample budget (``total_samples`` or ``epochs``, set or the task's own)."""
-    from swarmrun.protocol.errors import TaskError
-    from swarmrun.protocol.spec import BUDGET_HPARAMS
-    from swarmrun.node import load_task_class
-
-    named = [k for k in BUDGET_HPARAMS if k in sets]
-    if named:
-        return named[0] != "total_steps"
-    try:
-        return any(k in load_task_class(task).hparam_defaults for k in BUDGET_HPARAMS[1:])
-    except TaskError as e:
-        raise UsageError(f"task {task!r}: {e}") from None
-
-
-def _default_hparam(task: str, key: str) -> int:
-    from swarmrun.protocol.errors import TaskError
-    from swarmrun.node import load_task_class
-
-    try:
-        return int(load_task_class(task).hparam_defaults[key])
-    except (TaskError, KeyError) as e:
-        raise UsageError(f"task {task!r}: {e}") from None

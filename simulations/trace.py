@@ -404,3 +404,28 @@ def peer_names(events: Sequence[Event], initial: int) -> list[str]:
         if e.kind == "join" and e.peer and e.peer not in names and e.peer != "random":
             names.append(e.peer)
     return names
+
+
+def sample_budget_of(task: str, sets) -> bool:
+    """Whether the trace's run ends on a sample budget (``total_samples`` or ``epochs``, set or the task's own)."""
+    from swarmrun.protocol.errors import TaskError
+    from swarmrun.protocol.spec import BUDGET_HPARAMS
+    from swarmrun.node import load_task_class
+
+    named = [k for k in BUDGET_HPARAMS if k in sets]
+    if named:
+        return named[0] != "total_steps"
+    try:
+        return any(k in load_task_class(task).hparam_defaults for k in BUDGET_HPARAMS[1:])
+    except TaskError as e:
+        raise UsageError(f"task {task!r}: {e}") from None
+
+
+def default_hparam(task: str, key: str) -> int:
+    from swarmrun.protocol.errors import TaskError
+    from swarmrun.node import load_task_class
+
+    try:
+        return int(load_task_class(task).hparam_defaults[key])
+    except (TaskError, KeyError) as e:
+        raise UsageError(f"task {task!r}: {e}") from None

@@ -14,11 +14,10 @@ Every function here reads only a ``SwarmView`` and numbers: the same on every pe
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Mapping
-
-import numpy as np
 
 from swarmrun.protocol.cursor import DataCursor, RangeSet, block_order
 from swarmrun.protocol.round import ProgressReport, SwarmView
@@ -154,25 +153,32 @@ def pick_blocks(cursor: DataCursor, count: int, *, member: int, members: int, ex
     peer or leased by others."""
     pending = _pending(cursor.seed, cursor.data_epoch, cursor.num_blocks, cursor.applied.ranges)
     excluded = _mask(cursor.num_blocks, exclude.ranges)
-    hand = pending[member::members]
-    out = hand[~excluded[hand]][:count].tolist()
+    out = _free(pending[member::members], excluded, count)
     for k in range(1, members):
         if len(out) >= count:
             break
         other = pending[(member + k) % members::members][::-1]
-        out += other[~excluded[other]][:count - len(out)].tolist()
+        out += _free(other, excluded, count - len(out))
     return out
 
 
-def _mask(n: int, ranges) -> np.ndarray:
-    mask = np.zeros(n, dtype=bool)
+def _free(blocks: tuple[int, ...], excluded: bytearray, count: int) -> list[int]:
+    """The first ``count`` of ``blocks`` not ``excluded``."""
+    return list(itertools.islice((b for b in blocks if not excluded[b]), max(0, count)))
+
+
+def _mask(n: int, ranges) -> bytearray:
+    """One byte per block, 1 where ``ranges`` hold it (protocol/ stays stdlib: no numpy)."""
+    mask = bytearray(n)
     for start, end in ranges:
-        mask[max(0, start):min(n, end)] = True
+        start, end = max(0, start), min(n, end)
+        if end > start:
+            mask[start:end] = b"\x01" * (end - start)
     return mask
 
 
 @functools.lru_cache(maxsize=4)
-def _pending(seed: int, data_epoch: int, num_blocks: int, applied: tuple) -> np.ndarray:
+def _pending(seed: int, data_epoch: int, num_blocks: int, applied: tuple) -> tuple[int, ...]:
     """The data order's unapplied blocks (once per state: a dataset may hold millions of blocks)."""
-    order = np.asarray(block_order(seed, data_epoch, num_blocks), dtype=np.int64)
-    return order[~_mask(num_blocks, applied)[order]]
+    mask = _mask(num_blocks, applied)
+    return tuple(b for b in block_order(seed, data_epoch, num_blocks) if not mask[b])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.runner import group_exists
+from simulations.groups import group_exists
 from swarmrun.coordinator import svg
 from swarmrun.coordinator.client import Client
 from tests.coordinator.test_dashboard import browser, keyboard_press, screenshot, text, wait_for  # noqa: F401

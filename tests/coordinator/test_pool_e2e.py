@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.runner import group_exists
+from simulations.groups import group_exists
 from swarmrun.coordinator.client import Client
 
 pytestmark = pytest.mark.timeout(600)

@@ -163,7 +163,7 @@ def test_blocks_per_step_keeps_the_steps_whose_reports_agree():
 
 
 def test_the_runner_tells_a_sample_budget_from_the_trace_and_the_task():
-    from simulations.runner import sample_budget_of
+    from simulations.trace import sample_budget_of
 
     assert not sample_budget_of("synthetic", {}) and not sample_budget_of("synthetic", {"total_steps": 8})
     assert sample_budget_of("synthetic", {"epochs": 1}) and sample_budget_of("synthetic", {"total_samples": 640})

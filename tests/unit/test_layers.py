@@ -123,10 +123,27 @@ def test_outside_code_uses_only_the_public_surface_of_node():
     assert not bad, "\n".join(bad)
 
 
-def test_modules_and_functions_stay_small():
-    """No module over 500 lines, no function over 60 (a long one is split, or says why it is not)."""
+def test_protocol_needs_only_the_stdlib_msgpack_and_blake3():
+    """protocol/ is sans-IO and light (DESIGN.md's layer table): the standard library, msgpack and blake3, no numpy,
+    no torch, no hivemind."""
+    import sys
+
+    allowed = set(sys.stdlib_module_names) | {"msgpack", "blake3", "swarmrun"}
     bad = []
-    for path in PACKAGE.rglob("*.py"):
+    for path in (PACKAGE / "protocol").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] not in allowed]
+    assert not bad, "\n".join(bad)
+
+
+def test_modules_and_functions_stay_small():
+    """No module over 500 lines, no function over 60 (a long one is split, or says why it is not), in the package
+    and in the harness, the benchmarks and the examples (tests are exempt)."""
+    bad = []
+    for path in [*PACKAGE.rglob("*.py"), *(p for d in ("simulations", "benchmarks", "examples")
+                                           for p in (ROOT / d).rglob("*.py"))]:
         text = path.read_text()
         if text.count("\n") > 500:
             bad.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
