@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from simulations.groups import group_exists
 from swarmrun.coordinator import svg
 from swarmrun.coordinator.client import Client
 from tests.coordinator.test_dashboard import browser, keyboard_press, screenshot, text, wait_for  # noqa: F401
-from tests.coordinator.test_pool_e2e import NODE, START_BOUND, Proc, _free_port, _wait
+from tests.coordinator.test_pool_e2e import NODE, START_BOUND, Proc, _free_port, _wait, stop_pool
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -145,20 +143,4 @@ def test_dashboard_of_a_live_pool(tmp_path, browser):  # noqa: F811
         wait_for(lambda: text(browser, "#facts dd.state") == "held", "the page to show the run held")
         wait_for(lambda: text(browser, "#facts dd.workers") == "none", "the page to show no worker on the run")
     finally:
-        groups = [p.proc.pid for p in procs] + [e["pid"] for p in procs for e in p.events("peer_started")]
-        for p in procs[1:]:  # the agents first: they stop their peers gracefully
-            if p.proc.poll() is None:
-                os.killpg(p.proc.pid, signal.SIGTERM)
-        for p in procs[1:]:
-            try:
-                p.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                pass
-        for pgid in groups:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            p.proc.wait(10)
-        _wait(lambda: not any(group_exists(g) for g in groups), 30, "every process group ended")
+        stop_pool(procs, agents=procs[1:])

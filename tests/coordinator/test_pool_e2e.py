@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.groups import group_exists
+from simulations.groups import group_exists, kill_groups
 from swarmrun.coordinator.client import Client
 
 pytestmark = pytest.mark.timeout(600)
@@ -76,6 +76,24 @@ def _wait(check, bound: float, what: str):
             return value
         time.sleep(1)
     raise AssertionError(f"{what}: not within {bound} s")
+
+
+def stop_pool(procs: list[Proc], *, agents: list[Proc]) -> None:
+    """The end of a pool test: the agents SIGTERMed first (they stop their peers gracefully), then every process
+    group (each process's and each peer's an agent started) SIGKILLed and waited for."""
+    groups = [p.proc.pid for p in procs] + [e["pid"] for p in procs for e in p.events("peer_started")]
+    for p in agents:
+        if p.proc.poll() is None:
+            os.killpg(p.proc.pid, signal.SIGTERM)
+    for p in agents:
+        try:
+            p.proc.wait(40)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_groups(groups)
+    for p in procs:
+        p.proc.wait(10)
+    _wait(lambda: not any(group_exists(g) for g in groups), 30, "every process group ended")
 
 
 def _json_lines(text: str) -> list[dict]:
@@ -212,21 +230,4 @@ def test_pool_end_to_end(tmp_path):
         first = next(e["step"] for e in w1.events("peer_step") if e["step"] and e["time"] > resumed["time"])
         assert first == snap["step"] + 1  # no committed step lost by the pause
     finally:
-        groups = [p.proc.pid for p in procs]
-        groups += [e["pid"] for p in procs for e in p.events("peer_started")]
-        for p in procs[1:3]:  # the agents first: they stop their peers gracefully
-            if p.proc.poll() is None:
-                os.killpg(p.proc.pid, signal.SIGTERM)
-        for p in procs[1:3]:
-            try:
-                p.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                pass
-        for pgid in groups:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            p.proc.wait(10)
-        _wait(lambda: not any(group_exists(g) for g in groups), 30, "every process group ended")
+        stop_pool(procs, agents=procs[1:3])
