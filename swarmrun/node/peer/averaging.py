@@ -13,7 +13,8 @@ import collections
 import contextlib
 import os
 import statistics
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Iterator, Optional, Sequence
 
 import torch
@@ -26,6 +27,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import amap_in_executor, azip, as_aiter, enter_asynchronously
+from hivemind.utils.timed_storage import get_dht_time
 
 from swarmrun.node.net.bounds import install_protobuf_bounds
 from swarmrun.protocol.codec import unpack
@@ -59,6 +61,8 @@ class RoundOutcome:
     complete: bool  # every part came back averaged from every reducer, no sender was banned
     reason: str = ""
     sent_bytes: int = 0  # tensor messages this peer sent in the all-reduce (its parts, its averaged parts), encoded
+    formed_at: float = 0.0  # DHT time the group was formed (matchmaking over), as this peer saw it
+    allreduce_s: float = 0.0  # from the group's forming to this outcome (admission checks and the all-reduce)
 
 
 def decode_gathered(blob: bytes) -> RoundMeta:
@@ -345,6 +349,11 @@ class RoundAverager(DecentralizedAverager):
         return None
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        formed, t0 = get_dht_time(), time.perf_counter()
+        outcome = await self._aggregate(group_info, min_vector_size, **kwargs)
+        return replace(outcome, formed_at=formed, allreduce_s=time.perf_counter() - t0)
+
+    async def _aggregate(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> RoundOutcome:
         peer_ids = tuple(p.to_base58() for p in group_info.peer_ids)
         try:
             metas = tuple(decode_gathered(blob) for blob in group_info.gathered)

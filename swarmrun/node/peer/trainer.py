@@ -348,10 +348,16 @@ class Trainer:
         if isinstance(result.decision, Commit):
             ready = max([m.ready_at for m in outcome.metas if m.ready_at] or [self.ready_at])
             mine = self.work.fields()
+            t_apply = time.perf_counter()
             await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
             self._after_commit()
+            # where the round's overhead went: the group forming after the last part was computed, the all-reduce,
+            # the vote, applying the step (round_overhead_s is all of it, from the last part to this event)
+            parts = dict(group_wait_s=round(max(0.0, outcome.formed_at - ready), 3) if outcome.formed_at else None,
+                         allreduce_s=round(outcome.allreduce_s, 3), apply_s=round(time.perf_counter() - t_apply, 3))
             self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=result.seconds,
                                                           vote_s=round(result.vote_seconds, 3), samples=claims.samples,
+                                                          **parts,
                                                           blocks=claims.applied.to_list(),
                                                           round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
                                                           sent_bytes=outcome.sent_bytes, **mine))
