@@ -250,14 +250,23 @@ def hivemind_peers(opts, log_dir: Path, n: int, *, sets: Sequence[str], starts: 
 
 def local_process(opts, log_dir: Path, *, sets: Sequence[str], core: Optional[int] = None) -> Peer:
     """``_local_run.py``: one process, a plain PyTorch loop. Returns it (killed, its events kept)."""
+    return local_processes(opts, log_dir, sets=sets, cores=[core])[0]
+
+
+def local_processes(opts, log_dir: Path, *, sets: Sequence[str], cores: Sequence[Optional[int]]) -> list[Peer]:
+    """One ``_local_run.py`` per entry of ``cores``, all at once (each on its core). Returns them (killed, their
+    events kept) once every one has left."""
     deadline = time.monotonic() + opts.run_timeout
     cmd = [sys.executable, str(HERE / "_local_run.py"), "--task", opts.task, *_set_args(sets),
            "--seed", str(opts.seed), "--batch-size", str(opts.batch_size)]
-    peer = Peer("local", cmd, log_dir, core=core)
+    peers = [Peer("local" if len(cores) == 1 else f"local-{i}", cmd, log_dir, core=core) for i, core in enumerate(cores)]
     try:
-        peer.wait_event(("left",), deadline)
-        return peer
-    except RunFailed as e:
-        raise RunFailed(f"{e}; stderr tail: {peer.stderr_tail(600)!r}") from None
+        for peer in peers:
+            try:
+                peer.wait_event(("left",), deadline)
+            except RunFailed as e:
+                raise RunFailed(f"{e}; stderr tail: {peer.stderr_tail(600)!r}") from None
+        return peers
     finally:
-        peer.kill()
+        for peer in peers:
+            peer.kill()

@@ -5,6 +5,9 @@ Every process runs pinned to one CPU core with one torch thread (``sched_setaffi
 ``cores[i]``, the local process on ``cores[0]``. Systems, interleaved per repeat (each a fresh swarm):
 
 - ``local``: ``_local_run.py``, one process, a plain loop with the same task, batch, optimizer and schedule;
+- ``local_pair``: two such loops at once, one per core: what this machine gives two independent processes. Its
+  ratio to ``local`` (``ceiling_2``) is the most two peers could reach here (cores that share a physical core,
+  a cache or memory bandwidth give less than 2);
 - ``swarmrun_1`` / ``swarmrun_2``: 1 / 2 ``node join`` peers (``--min-peers`` 1 / 2);
 - ``hivemind_1`` / ``hivemind_2``: 1 / 2 ``hivemind.Optimizer`` peers (``_hivemind_peer.py``), same matchmaking
   time and timeouts.
@@ -44,11 +47,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # the repository: simulations.stepstats
 
-from _procs import RunFailed, figure, hivemind_peers, kill_all, local_process, swarmrun_peers  # noqa: E402
+from _procs import (RunFailed, figure, hivemind_peers, kill_all, local_process, local_processes,  # noqa: E402
+                    swarmrun_peers)
 from simulations.stepstats import abandoned_by_reason, round_overhead, step_size_stats, step_sizes  # noqa: E402
 
 DEFAULT_SEED = 20261202
-SYSTEMS = ("local", "swarmrun_1", "swarmrun_2", "hivemind_1", "hivemind_2")
+SYSTEMS = ("local", "local_pair", "swarmrun_1", "swarmrun_2", "hivemind_1", "hivemind_2")
 
 
 # ---- figures (pure) -----------------------------------------------------------------------------------------
@@ -116,6 +120,8 @@ def summarize(runs: list[dict], opts) -> dict[str, Any]:
         speedup_2_hivemind=ratio(med.get("hivemind_2"), med.get("local")),
         speedup_1=ratio(med.get("swarmrun_1"), med.get("local")),
         speedup_1_hivemind=ratio(med.get("hivemind_1"), med.get("local")),
+        ceiling_2=ratio(med.get("local_pair"), med.get("local")),
+        speedup_2_of_ceiling=ratio(med.get("swarmrun_2"), med.get("local_pair")),
         speedup_2_at_target=ratio(med_t.get("swarmrun_2"), med_t.get("local")),
         speedup_2_hivemind_at_target=ratio(med_t.get("hivemind_2"), med_t.get("local")),
         round_overhead_2=two["round_overhead"]["share"], round_overhead_2_steps=two["round_overhead"]["steps"],
@@ -171,9 +177,23 @@ def run_local(opts, log_dir: Path) -> dict[str, Any]:
     return out
 
 
+def run_local_pair(opts, log_dir: Path) -> dict[str, Any]:
+    if len(opts.cores) < 2:
+        raise RunFailed("local_pair needs two cores (--cores)")
+    peers = local_processes(opts, log_dir, sets=all_sets(opts), cores=opts.cores[:2])
+    each = [throughput(p.of("step"), step_sizes(p.of("step")), opts.target_batch_size) for p in peers]
+    return dict(samples_per_s=sum(f["samples_per_s"] for f in each),
+                samples_per_s_at_target=sum(f["samples_per_s_at_target"] for f in each),
+                step_s=statistics.mean(f["step_s"] for f in each), steps_in_window=min(f["steps_in_window"] for f in each),
+                last_step=min(f["last_step"] for f in each), cores=[p.cores for p in peers],
+                each_samples_per_s=[round(f["samples_per_s"], 2) for f in each])
+
+
 def run_system(system: str, opts, log_dir: Path) -> dict[str, Any]:
     if system == "local":
         return run_local(opts, log_dir)
+    if system == "local_pair":
+        return run_local_pair(opts, log_dir)
     kind, n = system.split("_")
     return (run_swarmrun if kind == "swarmrun" else run_hivemind)(opts, log_dir, int(n))
 

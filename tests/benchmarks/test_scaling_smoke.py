@@ -20,8 +20,9 @@ from scaling import hivemind_sizes, swarm_steps, throughput  # noqa: E402
 TINY = ["--total-steps", "3", "--target-batch-size", "32", "--batch-size", "16", "--matchmaking-time", "0.5",
         "--run-timeout", "120", "--set", "eval_every=0", "--set", "d_model=32", "--set", "n_layer=1",
         "--set", "n_head=2", "--set", "seq_len=16", "--set", "max_bytes=100000"]
-SYSTEMS = ("local", "swarmrun_1", "swarmrun_2", "hivemind_1", "hivemind_2")
-FLOATS = ("speedup_2", "speedup_2_hivemind", "speedup_1", "speedup_1_hivemind", "local_step_s", "step_size_p95_error")
+SYSTEMS = ("local", "local_pair", "swarmrun_1", "swarmrun_2", "hivemind_1", "hivemind_2")
+FLOATS = ("speedup_2", "speedup_2_hivemind", "speedup_1", "speedup_1_hivemind", "local_step_s", "step_size_p95_error",
+          "ceiling_2", "speedup_2_of_ceiling")
 
 
 @pytest.mark.integration
@@ -44,7 +45,7 @@ def test_scaling_tiny_runs_every_system_pinned_and_reports_the_figures(tmp_path)
     assert sorted(runs) == sorted(SYSTEMS)
     cores = summary["settings"]["cores"]
     for system, run in runs.items():
-        n = 2 if system.endswith("_2") else 1
+        n = 2 if system.endswith(("_2", "_pair")) else 1
         assert run["cores"] == [[cores[i % len(cores)]] for i in range(n)], system  # one core per peer
         assert run["samples_per_s"] > 0 and run["last_step"] == 3
 
