@@ -15,6 +15,7 @@ from swarmrun.node import faults
 from swarmrun.node.net.streams import quiet_dropped_streams, send
 from swarmrun.node.state.run import FrozenState
 from swarmrun.protocol.errors import ProtocolError, RemoteProtocolError
+from swarmrun.protocol.manifest import manifest_digest
 from swarmrun.protocol.transfer import Open, protocol_name
 from swarmrun.protocol.transfer_session import (
     ChunkRequested,
@@ -48,6 +49,10 @@ class _Served:
     encoded: bytes  # the manifest's bytes
     last_used: float = field(default_factory=time.monotonic)
     sessions: int = 0
+    manifest_hash: str = field(init=False)  # of ``encoded``, once: records and lookups name it many times a second
+
+    def __post_init__(self) -> None:
+        self.manifest_hash = manifest_digest(self.encoded)
 
 
 class StateServer:
@@ -97,7 +102,7 @@ class StateServer:
     def publish_state(self, frozen: FrozenState) -> None:
         served = _Served(frozen, frozen.manifest.encode())
         if self.current is not None:
-            self._old[self.current.frozen.manifest.manifest_hash()] = self.current
+            self._old[self.current.manifest_hash] = self.current
             self.current.last_used = time.monotonic()
         self.current = served
         self._expire()
@@ -105,7 +110,7 @@ class StateServer:
     def announce(self, manifest_hash: str) -> None:
         """The provider record about to be published names ``manifest_hash`` (the current state): keep serving it
         until ``max_announced`` newer announcements replaced it and no transfer uses it."""
-        if self.current is None or self.current.frozen.manifest.manifest_hash() != manifest_hash:
+        if self.current is None or self.current.manifest_hash != manifest_hash:
             return
         self._announced[manifest_hash] = self.current
         self._announced.move_to_end(manifest_hash)
@@ -125,7 +130,7 @@ class StateServer:
         self.records.clear()
 
     def announced_log(self) -> dict[int, str]:
-        return {step: s.frozen.manifest.manifest_hash() for step, s in self.records.items()}
+        return {step: s.manifest_hash for step, s in self.records.items()}
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -140,13 +145,13 @@ class StateServer:
 
     def _find(self, manifest_hash: str) -> Optional[_Served]:
         self._expire()
-        if self.current is not None and self.current.frozen.manifest.manifest_hash() == manifest_hash:
+        if self.current is not None and self.current.manifest_hash == manifest_hash:
             return self.current
         if manifest_hash in self._old:
             return self._old[manifest_hash]
         if manifest_hash in self._announced:
             return self._announced[manifest_hash]
-        return next((s for s in self.records.values() if s.frozen.manifest.manifest_hash() == manifest_hash), None)
+        return next((s for s in self.records.values() if s.manifest_hash == manifest_hash), None)
 
     # -- the stream handler
     async def _handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -37,21 +37,33 @@ class Reporter:
         self.report, self.provider_record, self.on_tick = report, provider_record, on_tick
         self.view = SwarmView(reports={})
         self._seen: dict[str, float] = {}  # trainer -> when this peer last saw it live
+        self._published = 0.0  # when the progress report was last stored (monotonic)
+        self._announced: tuple = ((), 0.0)  # what the last stored provider record said, and when
+
+    def _provider_due(self, record: ProviderRecord) -> bool:
+        """A provider record changes at a commit (or as transfers start and end): stored when it says something new,
+        and often enough that it never expires (each store is a signed DHT write on both sides, and a peer's DHT
+        process shares its core with training)."""
+        said, at = self._announced
+        return _says(record) != said or time.monotonic() - at > self.config.report_ttl / 3
 
     async def publish(self) -> None:
         """Announce the served state and this peer's progress (a failed store is retried next interval)."""
         expiration = get_dht_time() + self.config.report_ttl
         record = self.provider_record()
-        if record is not None:
+        if record is not None and self._provider_due(record):
             try:
-                await await_future(self.dht.store(providers_key(self.spec.run_id), subkey=self.subkey,
-                                                  value=record.encode(), expiration_time=expiration, return_future=True))
+                if await await_future(self.dht.store(providers_key(self.spec.run_id), subkey=self.subkey,
+                                                     value=record.encode(), expiration_time=expiration,
+                                                     return_future=True)):
+                    self._announced = (_says(record), time.monotonic())
             except Exception as e:
                 logger.debug(f"could not announce the served state: {e!r}")
         try:
             await await_future(self.dht.store(progress_key(self.spec.run_id), subkey=self.subkey,
                                               value=self.report().encode(), expiration_time=expiration,
                                               return_future=True))
+            self._published = time.monotonic()
         except Exception as e:
             logger.debug(f"could not publish progress: {e!r}")
 
@@ -82,7 +94,8 @@ class Reporter:
     async def forever(self) -> None:
         last_revocations = 0.0
         while True:
-            await self.publish()
+            if time.monotonic() - self._published >= self.config.report_interval / 2:
+                await self.publish()  # not again right after a commit's publish_and_read
             try:
                 await self.refresh()
                 if self.spec.access != "open" and time.monotonic() - last_revocations > REVOCATIONS_EVERY:
@@ -93,3 +106,8 @@ class Reporter:
             if self.config.role == Role.TRAINER:
                 self.on_tick()
             await asyncio.sleep(self.config.report_interval)
+
+
+def _says(record: ProviderRecord) -> tuple:
+    """What a provider record tells a joiner (its time aside)."""
+    return record.manifest_hash, record.serving, tuple(sorted(record.log.items()))

@@ -46,6 +46,7 @@ class ServedState:
         """Freeze the state of the current step (runs in the worker thread; published from the loop)."""
         self.frozen = self.state.freeze(chunk_size=self.chunk_size)
         self.state_hash = self.frozen.manifest.state_hash()
+        self.manifest_hash = self.frozen.manifest.manifest_hash()  # named by every provider record until the next
         set_log_context(step=self.state.step)
 
     async def start(self) -> None:
@@ -76,8 +77,8 @@ class ServedState:
         """What this peer announces it serves (None before it serves)."""
         if self.server is None or self.frozen is None:
             return None
-        self.server.announce(self.frozen.manifest.manifest_hash())  # what a record names stays served a while
-        return ProviderRecord(step=self.state.step, manifest_hash=self.frozen.manifest.manifest_hash(),
+        self.server.announce(self.manifest_hash)  # what a record names stays served a while
+        return ProviderRecord(step=self.state.step, manifest_hash=self.manifest_hash,
                               state_hash=self.state_hash, total_bytes=self.frozen.manifest.total_bytes,
                               time=get_dht_time(), keeper=role == Role.KEEPER,
                               serving=self.server.sessions, log=self.server.announced_log(),
