@@ -161,8 +161,6 @@ REVOCATION_TTL = 365 * 24 * 3600.0
 
 
 async def read_latest(dht: DHT, key: str):
-    from swarmrun.node.runtime import await_future
-
     return await await_future(dht.get(key, latest=True, return_future=True))
 
 
@@ -178,7 +176,7 @@ async def store_own(dht: DHT, key: str, value: bytes, subkey: bytes, ttl: float)
     if await await_future(dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey,
                                     return_future=True)):
         return True
-    found = await await_future(dht.get(key, latest=True, return_future=True))
+    found = await read_latest(dht, key)
     if found is None or not isinstance(found.value, dict) or subkey not in found.value:
         return False
     return found.value[subkey].value == value
@@ -190,8 +188,6 @@ def owner_subkey(owner_key: bytes) -> bytes:
 
 
 async def publish_revocations(dht: DHT, revocations: Revocations, owner_key: bytes) -> None:
-    from swarmrun.node.runtime import await_future
-
     if not await store_own(dht, revocation_key(revocations.run_id), revocations.encode(), owner_subkey(owner_key),
                            REVOCATION_TTL):
         raise AccessRefused("the swarm did not accept the revocation list")
@@ -217,6 +213,4 @@ async def read_history(dht, key: str) -> list[tuple[bytes, ...]]:
 
 
 async def store_record(dht, key: str, value: bytes, ttl: float, subkey: Optional[bytes] = None) -> None:
-    from swarmrun.node.runtime import await_future
-
     await await_future(dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True))
