@@ -3,8 +3,10 @@ holds its owner key.
 
 - **owner key**: one per run, made at submission and kept in the registry with the run (one transaction), so a
   coordinator restarted on the same database still owns its runs. It never leaves the coordinator: a worker gets
-  a certificate, never the key. The database holds the keys in the clear (unlike API tokens): whoever reads it
-  can admit peers to every pool run, so it is kept like the coordinator's own identity.
+  a certificate, never the key. The database holds each key sealed (``KeySeal``: Fernet, AES-128-CBC with an
+  HMAC) under a secret that lives only in the coordinator's state dir (``owner-keys.secret``, mode 0600): a copy
+  of the database alone, a dump or a backup admits no one. Losing that file loses the pool runs' ownership (their
+  snapshots stay readable); back it up with the coordinator's identity.
 - **spec**: the leader's agent builds the new run's spec (the task is installed there, not necessarily here) with
   the run's owner key and ``access = invite``; the coordinator checks it names the submitted run and task and
   signs it once (``sign_spec``); the registry keeps the first signed spec, so every start of the run uses the
@@ -22,17 +24,75 @@ The certificates, revocation lists and their checks are ``protocol.access``'s, a
 from __future__ import annotations
 
 import base64
+import os
+from pathlib import Path
 from typing import Iterable, Mapping
 
 from swarmrun.protocol.codec import unpack
-from swarmrun.protocol.errors import ProtocolError, UsageError
+from swarmrun.protocol.errors import ProtocolError, SwarmrunError, UsageError
 from swarmrun.protocol.spec import MAX_SPEC_SIZE, SignedSpec, Spec
 
-__all__ = ["CERTIFICATE_TTL", "REVOKE_AFTER", "new_owner_key", "public_owner_key", "issue_certificate", "sign_spec",
+__all__ = ["CERTIFICATE_TTL", "REVOKE_AFTER", "KeySeal", "SEAL_FILE", "new_owner_key", "public_owner_key", "issue_certificate", "sign_spec",
            "due_revocations", "check_peer_id"]
 
 CERTIFICATE_TTL = 7 * 24 * 3600.0  # a certificate outlives any assignment: a release ends it by revocation
 REVOKE_AFTER = 60.0  # > an agent's stop timeout (≤ 25 s) plus a peer's own leave bound (30 s)
+SEAL_FILE = "owner-keys.secret"  # in the coordinator's state dir
+_SEALED = b"gAAAAA"  # how every Fernet token begins (version byte 0x80, then the timestamp's high zero bytes)
+
+
+class KeySeal:
+    """Seals the owner keys the registry stores, under a secret kept in the coordinator's state dir.
+
+    A key stored before sealing existed (DER bytes in the clear) still opens, and the registry seals it in place
+    when it opens the database with a seal (``Registry(..., seal=...)``).
+    """
+
+    def __init__(self, secret: bytes, *, where: str = "the given secret"):
+        from cryptography.fernet import Fernet
+
+        self._fernet, self.where = Fernet(secret), where
+
+    @classmethod
+    def at(cls, state_dir: Path) -> "KeySeal":
+        """The seal of the coordinator whose state dir this is, its secret made (0600) on first use."""
+        from cryptography.fernet import Fernet
+
+        path = Path(state_dir) / SEAL_FILE
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(Fernet.generate_key())
+        return cls(path.read_bytes().strip(), where=str(path))
+
+    @staticmethod
+    def is_sealed(stored: bytes) -> bool:
+        return bytes(stored).startswith(_SEALED)
+
+    def seal(self, owner_key: bytes) -> bytes:
+        return self._fernet.encrypt(bytes(owner_key))
+
+    def open(self, stored: bytes) -> bytes:
+        """The owner key (DER) of what the registry stored. Raises SwarmrunError: sealed under another secret."""
+        from cryptography.fernet import InvalidToken
+
+        if not self.is_sealed(stored):
+            return bytes(stored)
+        try:
+            return self._fernet.decrypt(bytes(stored))
+        except InvalidToken:
+            raise SwarmrunError(f"the pool's owner keys were sealed under another secret than {self.where} "
+                                f"(is this the coordinator's own --state-dir?)") from None
+
+
+def open_stored_key(stored: bytes, seal: "KeySeal | None") -> bytes:
+    """An owner key as the registry stored it, opened by ``seal`` (None: only a key stored in the clear)."""
+    if seal is not None:
+        return seal.open(stored)
+    if KeySeal.is_sealed(stored):
+        raise SwarmrunError("this run's owner key is sealed: only the coordinator (with its --state-dir) can use it")
+    return bytes(stored)
 
 
 def new_owner_key() -> bytes:

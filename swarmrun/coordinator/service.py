@@ -7,7 +7,8 @@ so a user's hold or cancel that lands between the read and the write wins). Ever
 the registry's database, so a coordinator killed with SIGKILL and restarted on the same database goes on where it
 was; the agents keep their peers training meanwhile (a heartbeat that fails changes nothing on a workstation).
 
-Isolation (``owner.py``): every pool run is invite-only and the coordinator holds its owner key; it certifies the
+Isolation (``owner.py``): every pool run is invite-only and the coordinator holds its owner key (sealed in the
+database under a secret in its state dir); it certifies the
 peer an assigned worker starts and revokes that certificate after the worker's release. Its own DHT peer
 (``peer.PoolPeer``, started and shut down with the service) is the bootstrap point of every pool run and publishes
 the runs' revocation lists.
@@ -192,7 +193,9 @@ async def serve(config: CoordinatorConfig, events) -> None:
     except BaseException:
         sock.close()
         raise
-    registry = Registry(config.db_url)
+    from swarmrun.coordinator.owner import KeySeal
+
+    registry = Registry(config.db_url, seal=KeySeal.at(config.state_dir))  # owner keys sealed under its state dir
     wake = asyncio.Event()
     app = make_app(registry, on_change=wake.set, store=config.store, pages=True,  # the dashboard on the same server
                    bootstrap=peer.maddrs)

@@ -79,7 +79,7 @@ class AssignmentRow(Base):
 class RunKeyRow(Base):
     __tablename__ = "run_keys"
     run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.run_id"), primary_key=True)
-    owner_key: Mapped[bytes] = mapped_column(LargeBinary)  # the run owner's private key (DER): never sent anywhere
+    owner_key: Mapped[bytes] = mapped_column(LargeBinary)  # the run owner's private key (DER), sealed (owner.KeySeal)
     signed_spec: Mapped[bytes | None] = mapped_column(LargeBinary)  # the first spec signed for the run
 
 

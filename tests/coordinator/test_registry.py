@@ -314,6 +314,38 @@ def test_each_run_keeps_its_own_owner_key_through_a_reopen(db_url, clock):
     second.close()
 
 
+def test_owner_keys_are_sealed_in_the_database_under_the_coordinators_state_dir(db_url, clock, tmp_path):
+    """The database alone admits no one: what it stores is sealed under a secret in the coordinator's state dir.
+    A key an older coordinator stored in the clear is sealed when a coordinator opens the database."""
+    from swarmrun.coordinator.owner import SEAL_FILE, KeySeal
+    from swarmrun.protocol.errors import SwarmrunError
+
+    old = Registry(db_url, clock=clock)  # a coordinator from before sealing: the key in the clear
+    old.add_user("alice")
+    old.submit("alice", sub("a"), owner_key=b"0\x82 key of a")
+    old.close()
+    seal = KeySeal.at(tmp_path / "state")
+    assert (tmp_path / "state" / SEAL_FILE).stat().st_mode & 0o777 == 0o600
+    first = Registry(db_url, clock=clock, seal=seal)
+    first.submit("alice", sub("b"), owner_key=b"0\x82 key of b")
+    assert first.owner_key("a") == b"0\x82 key of a" and first.owner_key("b") == b"0\x82 key of b"
+    first.close()
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        stored = dict(conn.execute(text("SELECT run_id, owner_key FROM run_keys")).all())
+    engine.dispose()
+    assert set(stored) == {"a", "b"} and all(KeySeal.is_sealed(bytes(v)) for v in stored.values())
+    assert not any(b"key of" in bytes(v) for v in stored.values())
+    again = Registry(db_url, clock=clock, seal=KeySeal.at(tmp_path / "state"))  # a restart: the same secret
+    assert again.owner_key("b") == b"0\x82 key of b"
+    again.close()
+    for registry, message in ((Registry(db_url, clock=clock, seal=KeySeal.at(tmp_path / "elsewhere")), "another secret"),
+                              (Registry(db_url, clock=clock), "sealed")):
+        with pytest.raises(SwarmrunError, match=message):
+            registry.owner_key("a")
+        registry.close()
+
+
 def test_a_certificate_goes_only_to_an_assigned_worker_and_its_release_revokes_it(registry, clock):
     from swarmrun.protocol.errors import AccessRefused
 
