@@ -32,7 +32,7 @@ from swarmrun.protocol.codec import unpack
 from swarmrun.protocol.errors import ProtocolError, SwarmrunError, UsageError
 from swarmrun.protocol.spec import MAX_SPEC_SIZE, SignedSpec, Spec
 
-__all__ = ["CERTIFICATE_TTL", "REVOKE_AFTER", "KeySeal", "SEAL_FILE", "new_owner_key", "public_owner_key", "issue_certificate", "sign_spec",
+__all__ = ["CERTIFICATE_TTL", "REVOKE_AFTER", "CLEAR_KEYS", "KeySeal", "SEAL_FILE", "new_owner_key", "public_owner_key", "issue_certificate", "sign_spec",
            "due_revocations", "check_peer_id"]
 
 CERTIFICATE_TTL = 7 * 24 * 3600.0  # a certificate outlives any assignment: a release ends it by revocation
@@ -73,6 +73,10 @@ class KeySeal:
     def seal(self, owner_key: bytes) -> bytes:
         return self._fernet.encrypt(bytes(owner_key))
 
+    def seal_clear(self, stored: bytes) -> bytes:
+        """What the registry stored, sealed if it was in the clear (an older coordinator's)."""
+        return bytes(stored) if self.is_sealed(stored) else self.seal(stored)
+
     def open(self, stored: bytes) -> bytes:
         """The owner key (DER) of what the registry stored. Raises SwarmrunError: sealed under another secret."""
         from cryptography.fernet import InvalidToken
@@ -86,13 +90,19 @@ class KeySeal:
                                 f"(is this the coordinator's own --state-dir?)") from None
 
 
-def open_stored_key(stored: bytes, seal: "KeySeal | None") -> bytes:
-    """An owner key as the registry stored it, opened by ``seal`` (None: only a key stored in the clear)."""
-    if seal is not None:
-        return seal.open(stored)
-    if KeySeal.is_sealed(stored):
-        raise SwarmrunError("this run's owner key is sealed: only the coordinator (with its --state-dir) can use it")
-    return bytes(stored)
+class _ClearKeys:
+    """No seal: keys stored in the clear (a registry opened without the coordinator's seal: ``user add``, tools)."""
+
+    def seal(self, owner_key: bytes) -> bytes:
+        return bytes(owner_key)
+
+    def open(self, stored: bytes) -> bytes:
+        if KeySeal.is_sealed(stored):
+            raise SwarmrunError("this run's owner key is sealed: only the coordinator (with its --state-dir) can use it")
+        return bytes(stored)
+
+
+CLEAR_KEYS = _ClearKeys()
 
 
 def new_owner_key() -> bytes:

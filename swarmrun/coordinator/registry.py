@@ -43,6 +43,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from swarmrun.coordinator.owner import CLEAR_KEYS
 from swarmrun.coordinator.schema import Heartbeat, Progress, Registration, Submission, check_name
 from swarmrun.coordinator.tables import (
     add_new_columns, sqlite_pragmas,
@@ -111,9 +112,8 @@ class Registry:
     Args:
         url: a SQLAlchemy URL (``sqlite:///PATH``, ``postgresql+psycopg://...``); see ``default_url``.
         clock: the time source of every timestamp (injected so tests control it).
-        seal: seals the owner keys it stores (``owner.KeySeal``; the coordinator's); keys stored in the clear by
-            an older coordinator are sealed when the registry opens. Without one (``user add``, tools) keys are
-            stored in the clear and a sealed key cannot be read.
+        seal: seals the owner keys it stores (``owner.KeySeal``, the coordinator's). Without one (``user add``,
+            tools) keys are stored in the clear and a sealed key cannot be read.
     """
 
     def __init__(self, url: str, *, clock: Callable[[], float] = time.time, seal=None) -> None:
@@ -124,29 +124,14 @@ class Registry:
         if parsed.get_backend_name() == "sqlite":
             event.listen(self._engine, "connect", sqlite_pragmas)
         self._clock = clock
-        self._seal = seal
+        self._seal = seal or CLEAR_KEYS
         self._lock = threading.Lock()
         _Base.metadata.create_all(self._engine)
         add_new_columns(self._engine)
-        if seal is not None:
-            self._seal_clear_keys()
-
-    def _seal_clear_keys(self) -> None:
-        """Seal, in place, the keys an older coordinator stored in the clear (one transaction)."""
-        from swarmrun.coordinator.owner import KeySeal
-
-        with self._write() as s:
-            for key in s.scalars(select(_RunKey)):
-                if not KeySeal.is_sealed(key.owner_key):
-                    key.owner_key = self._seal.seal(key.owner_key)
-
-    def _stored_key(self, owner_key: bytes) -> bytes:
-        return self._seal.seal(owner_key) if self._seal is not None else owner_key
-
-    def _opened_key(self, stored: bytes) -> bytes:
-        from swarmrun.coordinator.owner import open_stored_key
-
-        return open_stored_key(stored, self._seal)
+        if seal is not None:  # keys an older coordinator stored in the clear are sealed now, in place
+            with self._write() as s:
+                for key in s.scalars(select(_RunKey)):
+                    key.owner_key = seal.seal_clear(key.owner_key)
 
     def close(self) -> None:
         """Close every pooled connection (the data is already committed)."""
@@ -210,7 +195,7 @@ class Registry:
                 )  # fmt: skip
                 s.add(run)
                 s.flush()  # the run's row before its key's (the foreign key)
-                s.add(_RunKey(run_id=sub.run_id, owner_key=self._stored_key(owner_key)))
+                s.add(_RunKey(run_id=sub.run_id, owner_key=self._seal.seal(owner_key)))
                 self._event(s, "submit", run_id=sub.run_id, owner=owner, priority=sub.priority,
                             min_peers=sub.min_peers, max_peers=sub.max_peers)  # fmt: skip
                 s.flush()
@@ -446,7 +431,7 @@ class Registry:
             key = s.scalar(select(_RunKey.owner_key).where(_RunKey.run_id == run_id))
             if key is None:
                 raise RunNotFound(f"no run {run_id!r} in this pool")
-            return self._opened_key(key)
+            return self._seal.open(key)
 
     def certify(self, run_id: str, worker_id: str, peer_id: str) -> dict[str, Any]:
         """Record a certificate for ``peer_id``, the peer ``worker_id`` starts in ``run_id``; returns the run's
@@ -462,7 +447,7 @@ class Registry:
                 self._get_run(s, run_id)
                 from swarmrun.coordinator.owner import new_owner_key
 
-                key = _RunKey(run_id=run_id, owner_key=self._stored_key(new_owner_key()))
+                key = _RunKey(run_id=run_id, owner_key=self._seal.seal(new_owner_key()))
                 s.add(key)
             held = s.scalar(select(_Assignment.run_id).where(_Assignment.worker_id == worker_id))
             if held != run_id:
@@ -475,7 +460,7 @@ class Registry:
             if cert is None:
                 s.add(_Certificate(run_id=run_id, peer_id=peer_id, worker_id=worker_id, issued_at=self._clock()))
                 self._event(s, "certify", run_id=run_id, worker_id=worker_id, peer_id=peer_id)
-            return {"owner_key": self._opened_key(key.owner_key),
+            return {"owner_key": self._seal.open(key.owner_key),
                     "signed_spec": key.signed_spec and bytes(key.signed_spec)}
 
     def set_spec(self, run_id: str, signed_spec: bytes) -> bytes:
