@@ -14,6 +14,8 @@ import argparse
 import sys
 import time
 
+import torch
+
 from _common import batch_len, batches, build_model_and_optimizer, build_task, emit, parse_sets
 
 
@@ -31,6 +33,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--min-peers", type=int, default=2, help="wait until the tracker sees this many peers")
     p.add_argument("--min-peers-timeout", type=float, default=60.0)
     p.add_argument("--verbose", action="store_true", help="hivemind.Optimizer(verbose=True): its status on stderr")
+    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="the DHT's host multiaddr")
+    p.add_argument("--announce", default=None, help="the multiaddr others dial (e.g. a delay proxy's)")
+    p.add_argument("--compression", choices=("none", "fp16", "8bit"), default="none",
+                   help="grad_compression and state_averaging_compression")
+    p.add_argument("--delay", action="store_true",
+                   help="delay_grad_averaging and delay_optimizer_step: average in the background of the next steps")
+    p.add_argument("--evaluate", action="store_true", help="emit the task's eval loss when the peer leaves")
     return p.parse_args()
 
 
@@ -47,35 +56,57 @@ def wait_for_peers(opt, min_peers: int, timeout: float) -> bool:
     return True
 
 
-def main() -> int:
-    args = parse_args()
+def optimizer_options(args) -> dict:
+    """hivemind.Optimizer's options for slow links: compression of gradients and state, averaging delayed."""
+    from hivemind import compression
 
+    codec = {"none": compression.NoCompression, "fp16": compression.Float16Compression,
+             "8bit": compression.BlockwiseQuantization}[args.compression]()
+    options = dict(grad_compression=codec, state_averaging_compression=codec)
+    if args.delay:
+        options.update(delay_grad_averaging=True, delay_optimizer_step=True)
+    return options
+
+
+def start_optimizer(args, target: int, optimizer, scheduler):
+    """The DHT (its ``listening`` event emitted) and hivemind.Optimizer under swarmrun's timeouts."""
     import hivemind
     from swarmrun.node import TrainerConfig
 
     cfg = TrainerConfig()  # swarmrun's defaults: the same timeouts as `node join`
-    task, hparams = build_task(args.task, parse_sets(args.sets), args.seed)
-    total_steps, target = int(hparams["total_steps"]), int(hparams["target_batch_size"])
-    model, optimizer, scheduler = build_model_and_optimizer(task, hparams, args.seed)
-
-    dht = hivemind.DHT(start=True, initial_peers=args.peers or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = hivemind.DHT(start=True, initial_peers=args.peers or None, host_maddrs=[args.listen],
+                       announce_maddrs=[args.announce] if args.announce else None)
     emit("listening", maddrs=[str(m) for m in dht.get_visible_maddrs()])
     opt = hivemind.Optimizer(dht=dht, run_id=args.run_id, target_batch_size=target, batch_size_per_step=args.batch_size,
                              optimizer=optimizer, scheduler=scheduler, matchmaking_time=args.matchmaking_time,
                              averaging_timeout=cfg.averaging_timeout, allreduce_timeout=cfg.allreduce_timeout,
                              next_chunk_timeout=cfg.next_chunk_timeout, load_state_timeout=cfg.state_timeout,
                              averager_opts=dict(request_timeout=cfg.request_timeout), use_local_updates=False,
-                             shutdown_timeout=3.0, verbose=args.verbose)
+                             shutdown_timeout=3.0, verbose=args.verbose, **optimizer_options(args))
+    return dht, opt
+
+
+def main() -> int:
+    args = parse_args()
+
+    task, hparams = build_task(args.task, parse_sets(args.sets), args.seed)
+    total_steps, target = int(hparams["total_steps"]), int(hparams["target_batch_size"])
+    model, optimizer, scheduler = build_model_and_optimizer(task, hparams, args.seed)
+
+    dht, opt = start_optimizer(args, target, optimizer, scheduler)
     emit("ready", epoch=opt.local_epoch)
     model.train()
     data = batches(task, hparams, args.seed, args.batch_size, start=args.start)
     epoch = opt.local_epoch
 
     fed = [0]  # samples this peer fed to hivemind.Optimizer since its last epoch change
+    computing = [0.0]  # seconds in forward and backward since the last epoch change
 
     def train_on(batch) -> float:
+        t0 = time.perf_counter()
         loss = task.loss(model, batch)
         loss.backward()
+        computing[0] += time.perf_counter() - t0
         fed[0] += batch_len(batch)
         opt.step(batch_size=batch_len(batch))
         opt.zero_grad()
@@ -96,8 +127,11 @@ def main() -> int:
                 break
             loss = train_on(batch)
             if opt.local_epoch != epoch:
-                emit("step", step=opt.local_epoch, jumped=opt.local_epoch - epoch - 1, loss=loss, samples_fed=fed[0])
-                epoch, fed[0] = opt.local_epoch, 0
+                emit("step", step=opt.local_epoch, jumped=opt.local_epoch - epoch - 1, loss=loss, samples_fed=fed[0],
+                     compute_s=round(computing[0], 4))
+                epoch, fed[0], computing[0] = opt.local_epoch, 0, 0.0
+        if args.evaluate:
+            emit("eval", step=opt.local_epoch, loss=task.evaluate(model, torch.device("cpu")))
         emit("left", step=opt.local_epoch)
     finally:
         t0 = time.monotonic()

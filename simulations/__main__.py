@@ -160,6 +160,7 @@ def _report(args, trace, out) -> int:
         rec.lives = {k: Life(**v) for k, v in saved["lives"].items()}
         rec.faults = saved["faults"]
         rec.proxies = saved.get("proxies") or {}
+        rec.link_bytes = saved.get("link_bytes") or {}
         for line in lines:
             e = json.loads(line)
             rec.events.append((e.pop("t"), e.pop("peer"), e))

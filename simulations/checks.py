@@ -45,6 +45,7 @@ class Record:
     sample_budget: bool = False  # the run ends on total_samples or epochs: its last step is the peers' to tell
     end: float = 0.0
     proxies: dict = field(default_factory=dict)  # traces with latency: the delay proxies' counters and audit
+    link_bytes: dict = field(default_factory=dict)  # traces with links: bytes each peer's namespace sent, at the end
 
     def of(self, *kinds: str):
         return [(t, k, e) for t, k, e in self.events if e.get("event") in kinds]
@@ -316,4 +317,5 @@ def check_all(rec: Record, *, cleaned: bool, loss_ok: Optional[bool]) -> tuple[d
 
 def as_jsonable(rec: Record) -> dict[str, Any]:
     return dict(lives={k: vars(v) for k, v in rec.lives.items()}, faults=rec.faults, total_steps=rec.total_steps,
-                target_batch_size=rec.target_batch_size, sample_budget=rec.sample_budget, end=rec.end, proxies=rec.proxies)
+                target_batch_size=rec.target_batch_size, sample_budget=rec.sample_budget, end=rec.end, proxies=rec.proxies,
+                link_bytes=rec.link_bytes)

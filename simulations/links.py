@@ -112,6 +112,10 @@ class Links:
                     direct_connections=sorted(f"{a[0]}:{a[1]} -> {b[0]}:{b[1]}" for a, b in self.audit.direct),
                     per_peer={n: p.stats() for n, p in self.proxies.items()})
 
+    def sent_bytes(self) -> dict[str, int]:
+        """Bytes each peer sent on its link (traces with ``"links": true``; empty otherwise)."""
+        return self.network.sent_bytes() if self.network is not None else {}
+
     def stop_proxies(self) -> list[int]:
         """Ask each proxy to exit (it does on its stdin's end); their process groups, for the SIGKILL after."""
         for p in self.proxies.values():

@@ -128,6 +128,17 @@ class Network:
             link.blocked = set() if not side else {ips[o] for o in self.links if (o in side) != (name in side)}
             self.apply(name)
 
+    def sent_bytes(self) -> dict[str, int]:
+        """Bytes each peer's namespace sent on its link so far (everything: the swarm's tensors, DHT, framing):
+        what its veth's host side received, read from the root namespace."""
+        out = {}
+        for name, link in self.links.items():
+            try:
+                out[name] = int(open(f"/sys/class/net/{link.host_if}/statistics/rx_bytes").read())
+            except (OSError, ValueError):
+                pass
+        return out
+
     def close(self) -> None:
         """Delete every namespace, veth and the bridge (idempotent; errors are logged, not raised)."""
         for link in self.links.values():

@@ -459,6 +459,7 @@ class Simulation:
             except subprocess.TimeoutExpired:
                 pass
         self.cleaned = wait_groups_gone(groups, time.monotonic() + 15)
+        self.rec.link_bytes = self.links.sent_bytes()
         self.links.close()
         shutil.rmtree(self.state_root, ignore_errors=True)
 

@@ -116,6 +116,7 @@ class Trainer:
         self.finished = False
         self.snapshots = False  # this peer has a snapshot store (set by its SnapshotSide; reported to the others)
         self.samples_per_second = 0.0
+        self.compute_seconds = 0.0  # wall time in the task's forward/backward since the last step event (its compute_s)
         self.step_seconds: Optional[float] = None  # mean wall time of a committed step (EMA), for the ETA
         self._last_commit: Optional[tuple[float, int]] = None  # (when, step) of the last commit
         self.last_loss: Optional[float] = None
@@ -296,6 +297,7 @@ class Trainer:
         t0 = time.perf_counter()
         loss, n = await asyncio.to_thread(self.work.compute, blocks)
         dt = time.perf_counter() - t0
+        self.compute_seconds += dt
         self.samples += n
         self.claimed = self.claimed.add(RangeSet.from_items(blocks))
         self.last_loss = loss
@@ -360,7 +362,8 @@ class Trainer:
                                                           **parts,
                                                           blocks=claims.applied.to_list(),
                                                           round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
-                                                          sent_bytes=outcome.sent_bytes, **mine))
+                                                          sent_bytes=outcome.sent_bytes,
+                                                          compute_s=self._compute_taken(), **mine))
             # in the background: the next step's first batch may plan on the older view, the next ones read this one
             self._looking = asyncio.ensure_future(self.reporter.publish_and_read())
         else:
@@ -396,7 +399,7 @@ class Trainer:
         self.events.emit("step", **self._step_fields(group=1, round_s=0.0, samples=claims.samples,
                                                       blocks=claims.applied.to_list(),
                                                       round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
-                                                      **mine))
+                                                      compute_s=self._compute_taken(), **mine))
 
     def _apply_step(self, applied: RangeSet, *, from_buffers: bool) -> None:
         """The committed step: the optimizer on the (identical) averaged gradient, then cursor and step advance."""
@@ -449,6 +452,12 @@ class Trainer:
                 hook(self.frozen)
             except Exception as e:  # a hook (snapshot writer, ...) must not take the trainer down
                 logger.warning(f"commit hook {getattr(hook, '__name__', hook)!r} failed: {type(e).__name__}: {e}")
+
+    def _compute_taken(self) -> float:
+        """The step event's ``compute_s``: seconds in the task's forward and backward since the last step event
+        (work dropped by an abandoned round included: it was computed), then counted from zero again."""
+        taken, self.compute_seconds = self.compute_seconds, 0.0
+        return round(taken, 3)
 
     def _step_fields(self, **extra) -> dict:
         trainers = self.view.trainers
