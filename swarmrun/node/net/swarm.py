@@ -25,6 +25,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.multiaddr import Multiaddr
 
+from swarmrun.node.net.pipes import whole_messages
 from swarmrun.node.net.validator import RunRecordValidator
 from swarmrun.node.output import quiet_hivemind
 from swarmrun.protocol.errors import RunNotFound, SwarmrunError, UsageError
@@ -247,6 +248,15 @@ def check_ports_free(listen: Sequence[str]) -> None:
                     raise UsageError(f"cannot listen on {maddr}: address already in use (another peer?)") from None
 
 
+class SwarmDHT(DHT):
+    """hivemind's DHT, its process reading its control pipe in whole messages (``net.pipes``: under uvloop a long
+    message was torn and the DHT process died). The only override: ``run``, the process's entry."""
+
+    def run(self) -> None:
+        self._inner_pipe = whole_messages(self._inner_pipe)
+        super().run()
+
+
 def start_dht(config: SwarmConfig, *, run_ids: Sequence[str] = ()) -> tuple[DHT, RSAPrivateKey]:
     """Start this peer's DHT (and its p2pd) with its identity, validating the records of ``run_ids``.
 
@@ -269,7 +279,7 @@ def start_dht(config: SwarmConfig, *, run_ids: Sequence[str] = ()) -> tuple[DHT,
     if config.announce:
         kwargs["announce_maddrs"] = list(config.announce)
     try:
-        dht = DHT(**kwargs)
+        dht = SwarmDHT(**kwargs)
     except Exception as e:
         raise _classify_start_error(e, config) from None
     return dht, key

@@ -30,6 +30,7 @@ from hivemind.utils.asyncio import amap_in_executor, azip, as_aiter, enter_async
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarmrun.node.net.bounds import install_protobuf_bounds
+from swarmrun.node.net.pipes import whole_messages
 from swarmrun.protocol.codec import unpack
 from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.errors import ProtocolError, SwarmrunError
@@ -217,12 +218,14 @@ class RoundAverager(DecentralizedAverager):
       construction failed earlier (a refused argument) printed an AttributeError at garbage collection.
     - ``run`` (the averager process's entry): bounds the declared length of every averager message before hivemind
       buffers it (``net.bounds.install_protobuf_bounds``; hivemind reads it in a static method of ``P2P``), and
-      decodes hivemind's 8-bit formats under numpy 2 (``codecs.install_codecs``).
+      decodes hivemind's 8-bit formats under numpy 2 (``codecs.install_codecs``), and reads its control pipe in
+      whole messages (``net.pipes``: under uvloop a long one was torn and the averager process died).
     """
 
     def run(self):
         install_protobuf_bounds()  # in the averager's process, before its handlers are registered
         codecs.install_codecs()
+        self._inner_pipe = whole_messages(self._inner_pipe)  # uvloop tears long control messages (net/pipes.py)
         super().run()
 
     def __init__(
