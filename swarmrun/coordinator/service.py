@@ -13,8 +13,9 @@ peer an assigned worker starts and revokes that certificate after the worker's r
 (``peer.PoolPeer``, started and shut down with the service) is the bootstrap point of every pool run and publishes
 the runs' revocation lists.
 
-Not here (yet): that peer as a keeper of each run's newest state (a run with no trainer left still has a
-provider); see the issue.
+Keepers (``keepers.py``): a ``node keep`` child per running run, bootstrapped through that peer, holds the run's
+newest state, so a run whose trainers all vanish at once still has a provider of it, not only the store's last
+snapshot.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class CoordinatorConfig:
     placement_interval: float = 1.0
     revoke_after: float = REVOKE_AFTER
     policy: Policy = Policy()
+    keepers: bool = True  # a `node keep` child per running run (keepers.py)
 
 
 def parse_http(value: str) -> tuple[str, int]:
@@ -165,6 +167,31 @@ async def _placement_loop(registry: Registry, config: CoordinatorConfig, wake: a
         wake.clear()
 
 
+async def _keeper_loop(registry: Registry, keepers, config: CoordinatorConfig) -> None:
+    """Keep one keeper per running run (``Keepers.reconcile`` runs in this loop's thread: the keepers' parent-death
+    signal follows the thread that started them)."""
+    try:
+        while True:
+            try:
+                keepers.reconcile(await asyncio.to_thread(registry.runs))
+            except Exception as e:  # tried again on the next pass (STYLE 5)
+                logger.warning(f"keepers: {type(e).__name__}: {e}")
+            await asyncio.sleep(2 * config.placement_interval)
+    finally:
+        await asyncio.to_thread(keepers.close)
+
+
+def _keepers(registry: Registry, peer, config: CoordinatorConfig, emit):
+    from swarmrun.coordinator.keepers import Keepers, keeper_listen
+    from swarmrun.coordinator.owner import issue_certificate
+
+    def certify(run_id: str, peer_id: str) -> str:
+        return issue_certificate(registry.owner_key(run_id), run_id=run_id, peer_id=peer_id, now=time.time())
+
+    return Keepers(config.state_dir, bootstrap=peer.maddrs, listen=keeper_listen(config.listen), certify=certify,
+                   emit=emit)
+
+
 async def _revocation_loop(registry: Registry, peer, config: CoordinatorConfig, emit, stop: Callable[[], None]) -> None:
     """Publish the runs' revocation lists as they fall due. If the coordinator's peer died, ``stop`` the service and
     end (SwarmrunError), rather than hand agents the address of a dead bootstrap peer."""
@@ -216,6 +243,8 @@ async def serve(config: CoordinatorConfig, events) -> None:
         revocations = asyncio.create_task(_revocation_loop(registry, peer, config, emit,
                                                            stop=lambda: setattr(server, "should_exit", True)))
         tasks.append(revocations)
+        if config.keepers:
+            tasks.append(asyncio.create_task(_keeper_loop(registry, _keepers(registry, peer, config, emit), config)))
         await serving
         if revocations.done():
             revocations.result()  # the peer died: raises why the service stopped

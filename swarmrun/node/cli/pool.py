@@ -43,6 +43,9 @@ def add_parsers(sub) -> None:
     c.add_argument("--revoke-after", type=float, default=None, metavar="S",
                    help="seconds from a worker's release to the revocation of its peer's certificate, time for its "
                         "graceful leave (default 60)")
+    c.add_argument("--no-keepers", action="store_true",
+                   help="start no keeper (a `node keep` child holding each running run's newest state, so a run "
+                        "whose trainers all vanish still has it beyond the store's last snapshot)")
     _common(c, client=False)
 
     a = sub.add_parser("agent", help="lend this workstation to a pool; `agent busy|idle` sets the resident flag",
@@ -124,6 +127,7 @@ def run_coordinator(args, events) -> int:
         if not args.revoke_after >= 0:
             raise UsageError("--revoke-after must be >= 0")
         extra["revoke_after"] = args.revoke_after
+    extra["keepers"] = not args.no_keepers
     config = CoordinatorConfig(host=host, port=port, db_url=db, store=args.store or default_store(state_dir),
                                state_dir=state_dir, policy=policy, **extra)
     import signal
