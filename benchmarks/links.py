@@ -3,7 +3,8 @@
 Each mode is one run of 4 real ``node join`` peers, each in its own network namespace, every link capped by ``tc
 tbf`` (``--rate``, 100 Mbit/s by default, both directions) and delayed ``--latency-ms`` each way (50 ms) by the
 peer's delay proxy: the churn harness's ``simulations.Simulation`` with a trace of no faults. Every mode trains the
-same task, seed and sample budget (``total_samples``), so the final eval loss is at equal samples:
+same task, seed and sample budget (``total_samples``; a run ends at the first step that reaches it, so
+``samples_applied`` may pass it by less than one step), so the final eval loss is at equal samples:
 
 - ``sync32``: exact synchronous rounds in fp32, ``target_batch_size`` T per step;
 - ``sync8``: the same with ``compression=8bit`` (blockwise, encoded by sender and reducer, decoded bits everywhere);
@@ -26,7 +27,7 @@ committed step to the last; start-up and state transfers to joiners are not in i
 - ``same_state_hash``: every committed step has one ``state_hash`` on every peer that reported it; the harness's
   invariants (no block skipped or applied twice, every process cleaned up) are in ``invariants``.
 
-    python benchmarks/links.py --json          # 6 modes, ~20 minutes on 2 cores (needs root: namespaces, tc)
+    python benchmarks/links.py --json          # 6 modes, ~20 minutes on 2 cores (needs root: namespaces, tc, nft)
     python benchmarks/links.py --quick --json  # smoke: a tiny model, 2 modes, a few steps
 
 With ``--json`` one ``run`` line per mode and, last, the summary object (``bytes_ratio_outer8``,
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -63,11 +65,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rate", default="100mbit", help="every link's cap, both directions (tc tbf syntax)")
     p.add_argument("--latency-ms", type=float, default=50.0, help="one-way delay of every peer's proxy")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=16384, help="the synthetic MLP's width: the gradient's size")
-    p.add_argument("--target-batch-size", type=int, default=256, help="T: samples per synchronous step")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=8192, help="the synthetic MLP's width: the gradient's size "
+                                                             "(default: 2.1M parameters, 8.4 MB in fp32)")
+    p.add_argument("--lr", type=float, default=1e-4, help="the task's AdamW lr (the inner lr in outer mode)")
+    p.add_argument("--target-batch-size", type=int, default=3072, help="T: samples per synchronous step")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--h", default="16,64", help="the two inner_steps values of outer mode (8-bit at the larger)")
+    p.add_argument("--h", default="8,32", help="the two inner_steps values of outer mode (8-bit at the larger)")
     p.add_argument("--outer-steps", type=int, default=3, help="outer steps at the larger H: the sample budget")
     p.add_argument("--outer-momentum", type=float, default=0.5)
     p.add_argument("--modes", default=None, help="comma-separated subset (default: all)")
@@ -80,6 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     opts = p.parse_args(argv)
     if opts.quick:
         opts.dim, opts.hidden, opts.target_batch_size, opts.batch_size, opts.h, opts.outer_steps = 16, 256, 64, 16, "2,4", 2
+        opts.lr = 1e-2
         opts.modes = opts.modes or "sync32,outer8"
     h = [int(x) for x in opts.h.split(",")]
     if len(h) != 2 or min(h) < 1:
@@ -113,7 +118,7 @@ def modes(opts) -> dict[str, dict[str, Any]]:
 def trace_for(opts, name: str, sets: dict[str, Any]):
     budget = opts.outer_steps * opts.h_large * opts.target_batch_size
     common = dict(dim=opts.dim, hidden=opts.hidden, num_examples=max(4096, budget), total_samples=budget,
-                  eval_every=0, lr=0.01)
+                  eval_every=0, lr=opts.lr)
     return parse_trace(dict(name=f"links-{name}", seed=opts.seed, task="synthetic", sets={**common, **sets},
                             peers=PEERS, min_peers=PEERS, batch_size=opts.batch_size,
                             matchmaking_time=opts.matchmaking_time, duration=opts.duration, links=True,
@@ -219,13 +224,14 @@ def summarize(runs: dict[str, dict], failed: dict[str, str], opts) -> dict[str, 
                bytes_ratio_hivemind=ratio("hivemind"), loss_gap_hivemind=gap("hivemind"), failed=failed, cores=len(os.sched_getaffinity(0)),
                settings=dict(rate=opts.rate, latency_ms=opts.latency_ms, dim=opts.dim, hidden=opts.hidden,
                              target_batch_size=opts.target_batch_size, batch_size=opts.batch_size, h=[hs, hl],
-                             outer_steps=opts.outer_steps, outer_momentum=opts.outer_momentum, seed=opts.seed,
+                             outer_steps=opts.outer_steps, outer_momentum=opts.outer_momentum, seed=opts.seed, lr=opts.lr,
                              peers=PEERS, quick=opts.quick))
     return out
 
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # the harness cleans up (peers, namespaces) on KeyboardInterrupt
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # 4 peers on a few cores: one torch thread each
     workdir = Path(opts.workdir) if opts.workdir else Path(tempfile.mkdtemp(prefix="swarmrun-links-"))
     runs, failed = {}, {}
@@ -244,6 +250,10 @@ def main(argv=None) -> int:
     summary["workdir"] = str(workdir)
     print(json.dumps(summary) if opts.json else table(summary), flush=True)
     return 0 if not failed and summary["same_state_hash"] and summary["invariants_true"] else 1
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 TABLE_FIELDS = ("bytes_per_sample", "tensor_bytes_per_sample", "utilisation", "samples_per_second", "eval_loss",
