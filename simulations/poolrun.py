@@ -357,6 +357,10 @@ class PoolSimulation:
                     continue
                 self.rec.peer_events.append((self._t(event), key, event))
         self.rec.peer_events.sort(key=lambda x: x[0])
+        for src in sorted((self.coord_dir / "keepers").glob("*/keeper.*")):  # the coordinator's keepers, per run
+            dest = self.logs / "keepers" / src.parent.name
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, dest / src.name)
         try:
             self.rec.coord_events = _registry_events(self.db, self.wall0)
         except Exception as e:  # a database the run never created: the checks say what is missing

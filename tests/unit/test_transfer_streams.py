@@ -442,3 +442,34 @@ def test_an_announced_state_stays_served_however_fast_the_swarm_steps():
     server.publish_state(states[11])
     server.announce(hashes[11])
     assert server._find(hashes[9]) is not None
+
+
+class _GoneWriter(_SlowWriter):
+    """A joiner that went before the provider's answer left (its fetch had the state from another provider)."""
+
+    def write(self, data) -> None:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+class GoneJoinerServer(StateServer):
+    gone = True
+
+    async def _handle(self, info, reader, writer):
+        await super()._handle(info, reader, _GoneWriter(writer, 0.0) if self.gone else writer)
+
+
+def test_a_joiner_gone_before_the_manifest_left_does_not_hold_a_session():
+    """A session whose ``opened`` answer could not be sent is not counted: eight such joiners (a keeper catching
+    up over and over, cancelling its other providers' streams each time) once left a provider "busy" forever."""
+    async def main():
+        net, frozen = Net(), make_state()
+        server = await serve(net, "p0", frozen, cls=GoneJoinerServer)
+        for _ in range(server.max_sessions + 2):
+            with pytest.raises(FetchFailed, match="ConnectionResetError|IncompleteReadError|ConnectionError"):
+                await fetch(net, frozen, ["p0"], chunk_timeout=2, timeout=10)
+            await asyncio.gather(*net.tasks, return_exceptions=True)
+        assert server.sessions == 0
+        server.gone = False
+        _, got, _ = await fetch(net, frozen, ["p0"])
+        assert bytes(got.data) == bytes(frozen.data)
+    asyncio.run(main())

@@ -153,10 +153,11 @@ class Fetcher:
         stats.seconds = time.monotonic() - t0
         stats.banned = sorted(run.banned | (set(download.lied) if download is not None else set()))
         self.banned |= set(stats.banned)
-        return self._result(manifest_hash, download, stats, providers=len(providers), deadline=deadline)
+        return self._result(manifest_hash, download, stats, providers=len(providers), deadline=deadline,
+                            failures=run.failures)
 
     def _result(self, manifest_hash: str, download: Optional[Download], stats: FetchStats, *, providers: int,
-                deadline: float) -> tuple[FrozenState, FetchStats]:
+                deadline: float, failures: Optional[dict[str, str]] = None) -> tuple[FrozenState, FetchStats]:
         """The fetched object once every chunk and tensor verified.
 
         Raises:
@@ -166,7 +167,9 @@ class Fetcher:
             why = ("no provider sent the manifest (unreachable, refused, or it did not match the announced hash)"
                    if download is None else f"{len(download.partial.have)}/{download.plan.num_chunks} chunks verified, "
                    "then every provider failed or lied" if time.monotonic() < deadline else "the deadline passed")
-            raise FetchFailed(f"could not fetch {manifest_hash[:12]} from {providers} provider(s): {why}")
+            said = "; ".join(f"{p[-8:]}: {reason}" for p, reason in sorted((failures or {}).items())[:4])
+            raise FetchFailed(f"could not fetch {manifest_hash[:12]} from {providers} provider(s): {why}"
+                              + (f" (last failures: {said})" if said else ""))
         partial, plan = download.partial, download.plan
         self.partials.pop(manifest_hash, None)
         if not partial.check.done or partial.check.faults:
@@ -202,10 +205,12 @@ class Fetcher:
                     run.download.plan.provider_lied(provider)
                 return
             except _Busy:
+                run.failures[provider] = "busy (serving its most sessions)"
                 await asyncio.sleep(0.5)
                 continue
             except (asyncio.TimeoutError, ConnectionError, ProtocolError, OSError, _Refused, Exception) as e:
                 failures += 1
+                run.failures[provider] = f"{type(e).__name__}: {e}"[:200]
                 logger.debug(f"provider {provider[-8:]} failed: {type(e).__name__}: {e}")
                 if run.download is not None:
                     run.download.plan.provider_failed(provider)
@@ -311,6 +316,7 @@ class _Run:
         self.download: Optional[Download] = None
         self.banned: set[str] = set()
         self.active: set[str] = set()
+        self.failures: dict[str, str] = {}  # provider -> why its last session failed (for the error message)
         self.manifest_ready = asyncio.Event()
         self.finished = self.loop.create_future()
 

@@ -208,7 +208,14 @@ class StateServer:
             return None
         self.sessions += 1
         served.sessions += 1
-        await send(writer, session.opened(served.encoded, len(served.frozen.manifest.chunks)))
+        try:
+            await send(writer, session.opened(served.encoded, len(served.frozen.manifest.chunks)))
+        except BaseException:  # the joiner went (a fetch cancels its other providers' streams once it has the state):
+            # the session is not _handle's to count down, and a leaked one would make this provider "busy" forever
+            self.sessions -= 1
+            served.sessions -= 1
+            served.last_used = time.monotonic()
+            raise
         return served
 
     async def _send_chunk(self, session: ProviderSession, served: _Served, index: int,
