@@ -76,7 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--outer-momentum", type=float, default=0.5)
     p.add_argument("--modes", default=None, help="comma-separated subset (default: all)")
     p.add_argument("--seed", type=int, default=5)
-    p.add_argument("--matchmaking-time", type=float, default=1.0)
+    p.add_argument("--matchmaking-time", type=float, default=None,
+                   help="seconds a round's group may take to form (default 3.0, --quick 1.0): a join request "
+                        "may take half of it, and a join over a 100 ms round trip opens a new stream first")
     p.add_argument("--duration", type=float, default=900.0, help="the most seconds one mode may run")
     p.add_argument("--quick", action="store_true", help="a tiny model, H 2 and 4, 2 outer steps, sync32 and outer8")
     p.add_argument("--workdir", default=None, help="the runs' logs (default: a temp dir)")
@@ -86,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         opts.dim, opts.hidden, opts.target_batch_size, opts.batch_size, opts.h, opts.outer_steps = 16, 256, 64, 16, "2,4", 2
         opts.lr = 1e-2
         opts.modes = opts.modes or "sync32,outer8"
+    if opts.matchmaking_time is None:
+        opts.matchmaking_time = 1.0 if opts.quick else 3.0
     h = [int(x) for x in opts.h.split(",")]
     if len(h) != 2 or min(h) < 1:
         p.error(f"--h takes two positive integers, got {opts.h!r}")

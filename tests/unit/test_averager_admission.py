@@ -62,3 +62,38 @@ def test_a_reducer_takes_only_parts_in_the_runs_codec_and_shape():
     message = runner.compression.compress(part, runner.part_infos[0])
     assert runner._plausible(0, 0, (message.compression, message.dtype), deserialize_torch_tensor(message))
     assert not runner._plausible(0, 0, (message.compression, message.dtype), 2 * part)
+
+
+def test_a_matchmaking_lock_held_at_every_round_start_for_a_minute_is_replaced(monkeypatch):
+    """hivemind's matchmaking can keep a lock for good (an abandoned join handler or search): the peer is then never
+    joined. A lock held at every round start for MATCHMAKING_WEDGED_S gets a fresh Matchmaking; one released in
+    between, or held for less, does not."""
+    import asyncio
+    import types
+
+    from swarmrun.node.peer import averaging
+
+    made = []
+    monkeypatch.setattr(averaging, "Matchmaking", lambda *args, **kwargs: made.append((args, kwargs)) or "fresh")
+    lock = asyncio.Lock()
+    asyncio.run(lock.acquire())
+    wedged = types.SimpleNamespace(lock_request_join_group=lock, lock_looking_for_group=asyncio.Lock(),
+                                   current_followers={}, current_leader=None,
+                                   assembled_group=types.SimpleNamespace(done=lambda: False))
+    avg = _averager()
+    avg._matchmaking, avg._matchmaking_held_since, avg.matchmaking_replaced = wedged, None, 0
+    avg._p2p, avg.schema_hash, avg.dht, avg.client_mode = "p2p", b"schema", "dht", False
+    avg.matchmaking_kwargs = dict(prefix="run", min_matchmaking_time=1.0)
+    wait = averaging.MATCHMAKING_WEDGED_S
+    for now in (100.0, 100.0 + wait / 2, 100.0 + wait - 1):
+        avg._watch_matchmaking(now)
+        assert avg._matchmaking is wedged and not made
+    lock.release()  # released in between: the count starts again
+    avg._watch_matchmaking(100.0 + wait + 1)
+    asyncio.run(lock.acquire())
+    avg._watch_matchmaking(200.0)
+    avg._watch_matchmaking(200.0 + wait - 1)
+    assert avg._matchmaking is wedged and not made
+    avg._watch_matchmaking(200.0 + wait)
+    assert avg._matchmaking == "fresh" and avg.matchmaking_replaced == 1
+    assert made == [(("p2p", b"schema", "dht"), dict(client_mode=False, prefix="run", min_matchmaking_time=1.0))]

@@ -21,6 +21,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import BannedException, TensorPartContainer
 from hivemind.compression import NoCompression, deserialize_torch_tensor
 from hivemind.p2p import P2PContext
@@ -45,6 +46,7 @@ SUSPECT_STEPS = 10  # rounds a sender caught with bad gradients is refused in
 NORM_HISTORY = 32  # declared norms of complete rounds kept to judge a new one
 LOCK_POLL_SECONDS = 0.5  # the host checks that the averager process lives this often while waiting for its lock
 NORM_RANGE = 20.0  # a declared norm this many times the recent median is refused at admission
+MATCHMAKING_WEDGED_S = 60.0  # a matchmaking lock held at every round start for this long is taken as lost
 
 
 class AveragerGone(SwarmrunError):
@@ -245,6 +247,8 @@ class RoundAverager(DecentralizedAverager):
         self._round_cursor: Optional[DataCursor] = None
         self._round_bounds: tuple = (None, DEFAULT_STEP_TOLERANCE)  # the step's size bounds (prepare_round)
         self._round_live = 0  # trainers the host saw live (prepare_round)
+        self._matchmaking_held_since: Optional[float] = None  # see _watch_matchmaking
+        self.matchmaking_replaced = 0
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def __del__(self):
@@ -294,6 +298,7 @@ class RoundAverager(DecentralizedAverager):
             from swarmrun.node.net.streams import quiet_dropped_streams
 
             quiet_dropped_streams(asyncio.get_running_loop())  # this process's loop too
+        self._watch_matchmaking(time.monotonic())
         self._round_step = step
         self._round_cursor = DataCursor.from_dict(cursor)
         self._round_bounds = (target, tolerance)
@@ -313,6 +318,38 @@ class RoundAverager(DecentralizedAverager):
         # set of keys, each in the run's schema table: protocol.records); admission refuses one at another step.
         # The key's prefix must stay, hivemind derives the state-download key from it
         self._matchmaking.group_key_manager.group_bits = group_bits(step)
+
+    def _watch_matchmaking(self, now: float) -> None:
+        """Replace hivemind's ``Matchmaking`` when one of its locks is lost.
+
+        hivemind's leader handler (``Matchmaking.rpc_join_group``) yields while it holds ``lock_request_join_group``;
+        a follower that hangs up mid-handler leaves the generator to the loop's finaliser, and an abandoned search can
+        outlive its cancellation holding ``lock_looking_for_group``. A peer with such a lock looks for groups and is
+        never joined (or never looks); with two such peers of four, no group is a majority again. Seen once at
+        links.py's full size: one all-reduce did not finish, hivemind logged "aclose(): asynchronous generator is
+        already running", and all four peers stayed idle at step 3, "could not find a group", for 5 minutes.
+
+        A round starts when this peer's previous round is over, so a lock held at the start of every round for
+        ``MATCHMAKING_WEDGED_S`` is taken as lost: the matchmaking's state is logged and a fresh ``Matchmaking`` takes
+        its place (hivemind's handlers look it up per call, DecentralizedAverager.rpc_join_group; the caller sets
+        this round's group bits and sizes on it next). A narrow hook: hivemind has no recovery of its own."""
+        mm = self._matchmaking
+        held = [name for name in ("lock_request_join_group", "lock_looking_for_group") if getattr(mm, name).locked()]
+        if not held:
+            self._matchmaking_held_since = None
+            return
+        if self._matchmaking_held_since is None:
+            self._matchmaking_held_since = now
+            return
+        if now - self._matchmaking_held_since < MATCHMAKING_WEDGED_S:
+            return
+        logger.warning(f"hivemind's matchmaking lost its {' and '.join(held)} (held at every round start for "
+                       f"{now - self._matchmaking_held_since:.0f}s; followers {len(mm.current_followers)}, leader "
+                       f"{mm.current_leader}, group assembled {mm.assembled_group.done()}): starting a fresh one")
+        self._matchmaking = Matchmaking(self._p2p, self.schema_hash, self.dht, client_mode=self.client_mode,
+                                        **self.matchmaking_kwargs)
+        self._matchmaking_held_since = None
+        self.matchmaking_replaced += 1
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
