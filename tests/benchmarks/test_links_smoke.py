@@ -45,9 +45,11 @@ def test_links_quick_runs_both_modes_over_namespaces(tmp_path):
         assert run["same_state_hash"] is True and run["mean_group"] > 1
         assert run["bytes_per_sample"] > run["tensor_bytes_per_sample"] > 0  # the links carry the tensors and more
         assert 0 < run["utilisation"] <= 1
-        # the same budget in both modes: a run ends at the first step that reaches 512 samples, and a synchronous
-        # step may take more than T (64) when peers bring their last batches at once (one CI run: 552)
-        assert 512 <= run["samples_applied"] < 512 + 2 * 64
+        # the same budget in both modes: a run ends at the first step that reaches 512 samples, so it may pass it by
+        # up to a step (T 64 in sync32, H*T 256 in outer4_8bit; a step may be short or long within its tolerance:
+        # CI saw sync32 end at 552, outer4_8bit at 776 after steps of 256, 248 and 272)
+        step = {"sync32": 64, "outer4_8bit": 4 * 64}[run["mode"]]
+        assert 512 <= run["samples_applied"] < 512 + 2 * step
     assert summary["same_state_hash"] is True and summary["invariants_true"] is True
     assert summary["tensor_bytes_ratio_outer8"] > 1 and summary["bytes_ratio_outer8"] > 1
     assert isinstance(summary["utilisation_outer8"], float)

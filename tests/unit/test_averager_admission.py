@@ -81,15 +81,18 @@ def test_a_matchmaking_lock_held_at_every_round_start_for_a_minute_is_replaced(m
                                    current_followers={}, current_leader=None,
                                    assembled_group=types.SimpleNamespace(done=lambda: False))
     avg = _averager()
-    avg._matchmaking, avg._matchmaking_held_since, avg.matchmaking_replaced = wedged, None, 0
+    avg._matchmaking, avg._matchmaking_held_since, avg._matchmaking_held, avg.matchmaking_replaced = wedged, None, set(), 0
     avg._p2p, avg.schema_hash, avg.dht, avg.client_mode = "p2p", b"schema", "dht", False
     avg.matchmaking_kwargs = dict(prefix="run", min_matchmaking_time=1.0)
     wait = averaging.MATCHMAKING_WEDGED_S
     for now in (100.0, 100.0 + wait / 2, 100.0 + wait - 1):
         avg._watch_matchmaking(now)
         assert avg._matchmaking is wedged and not made
-    lock.release()  # released in between: the count starts again
+    lock.release()  # released in between (the other lock held instead): the count starts again
+    asyncio.run(wedged.lock_looking_for_group.acquire())
     avg._watch_matchmaking(100.0 + wait + 1)
+    assert avg._matchmaking is wedged and not made
+    wedged.lock_looking_for_group.release()
     asyncio.run(lock.acquire())
     avg._watch_matchmaking(200.0)
     avg._watch_matchmaking(200.0 + wait - 1)

@@ -473,3 +473,28 @@ def test_a_joiner_gone_before_the_manifest_left_does_not_hold_a_session():
         _, got, _ = await fetch(net, frozen, ["p0"])
         assert bytes(got.data) == bytes(frozen.data)
     asyncio.run(main())
+
+
+class _DeafWriter(_SlowWriter):
+    """A joiner that keeps its stream open and never reads: the provider's writes never drain."""
+
+    async def drain(self) -> None:
+        await asyncio.Event().wait()
+
+
+class DeafJoinerServer(StateServer):
+    async def _handle(self, info, reader, writer):
+        await super()._handle(info, reader, _DeafWriter(writer, 0.0))
+
+
+def test_a_joiner_that_stops_reading_gives_its_session_back_after_the_chunk_timeout():
+    async def main():
+        net, frozen = Net(), make_state()
+        server = DeafJoinerServer(net.p2p("p0"), "run", admit_open(SPEC), chunk_timeout=0.5)
+        await server.start()
+        server.publish_state(frozen)
+        with pytest.raises(FetchFailed):
+            await fetch(net, frozen, ["p0"], chunk_timeout=2, timeout=4)
+        await asyncio.wait_for(asyncio.gather(*net.tasks, return_exceptions=True), 10)
+        assert server.sessions == 0
+    asyncio.run(main())

@@ -210,7 +210,7 @@ class Fetcher:
                 continue
             except (asyncio.TimeoutError, ConnectionError, ProtocolError, OSError, _Refused, Exception) as e:
                 failures += 1
-                run.failures[provider] = f"{type(e).__name__}: {e}"[:200]
+                run.failures[provider] = (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:200]
                 logger.debug(f"provider {provider[-8:]} failed: {type(e).__name__}: {e}")
                 if run.download is not None:
                     run.download.plan.provider_failed(provider)

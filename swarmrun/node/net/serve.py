@@ -169,7 +169,7 @@ class StateServer:
                     elif isinstance(event, ChunkRequested):
                         await self._send_chunk(session, served, event.index, writer)
                     elif isinstance(event, ProtocolViolation) and event.refuse:
-                        await send(writer, session.refuse(event.reason))
+                        await self._send(writer, session.refuse(event.reason))
                     elif isinstance(event, ProtocolViolation):
                         raise RemoteProtocolError(event.reason)
                 if session.state not in (SessionState.OPENING, SessionState.STREAMING):
@@ -197,19 +197,19 @@ class StateServer:
             if remote not in self._refused_logged:  # logged once per peer, not spammed
                 self._refused_logged.add(remote)
                 logger.warning(f"refused state transfer to {remote}: {refusal}")
-            await send(writer, session.refuse(refusal))
+            await self._send(writer, session.refuse(refusal))
             return None
         if self.sessions >= self.max_sessions:
-            await send(writer, session.refuse("busy", busy=True))
+            await self._send(writer, session.refuse("busy", busy=True))
             return None
         served = self._find(request.manifest_hash)
         if served is None:
-            await send(writer, session.refuse("not served here (any more)"))
+            await self._send(writer, session.refuse("not served here (any more)"))
             return None
         self.sessions += 1
         served.sessions += 1
         try:
-            await send(writer, session.opened(served.encoded, len(served.frozen.manifest.chunks)))
+            await self._send(writer, session.opened(served.encoded, len(served.frozen.manifest.chunks)))
         except BaseException:  # the joiner went (a fetch cancels its other providers' streams once it has the state):
             # the session is not _handle's to count down, and a leaked one would make this provider "busy" forever
             self.sessions -= 1
@@ -217,6 +217,11 @@ class StateServer:
             served.last_used = time.monotonic()
             raise
         return served
+
+    async def _send(self, writer: asyncio.StreamWriter, data: bytes, payload=None) -> None:
+        """``send`` within ``chunk_timeout``: a joiner that keeps its stream open and stops reading (hung, stopped, or
+        hostile) must not hold one of the ``max_sessions`` for good; the timeout ends the session (``_handle``)."""
+        await asyncio.wait_for(send(writer, data, payload), self.chunk_timeout)
 
     async def _send_chunk(self, session: ProviderSession, served: _Served, index: int,
                           writer: asyncio.StreamWriter) -> None:
@@ -229,6 +234,6 @@ class StateServer:
             await self._hold(frozen, faults.hold_steps("serve"))
         if faults.corrupts("serve", frozen.step):
             data = memoryview(bytes(data[:-1]) + bytes([data[-1] ^ 0xFF])) if data.nbytes else data
-        await send(writer, session.chunk_header(index, data.nbytes), data)
+        await self._send(writer, session.chunk_header(index, data.nbytes), data)
         self.bytes_served += data.nbytes
         served.last_used = time.monotonic()

@@ -248,6 +248,7 @@ class RoundAverager(DecentralizedAverager):
         self._round_bounds: tuple = (None, DEFAULT_STEP_TOLERANCE)  # the step's size bounds (prepare_round)
         self._round_live = 0  # trainers the host saw live (prepare_round)
         self._matchmaking_held_since: Optional[float] = None  # see _watch_matchmaking
+        self._matchmaking_held: set = set()  # the locks seen held at every round start since then
         self.matchmaking_replaced = 0
         super().__init__(averaged_tensors, dht, **kwargs)
 
@@ -334,16 +335,19 @@ class RoundAverager(DecentralizedAverager):
         its place (hivemind's handlers look it up per call, DecentralizedAverager.rpc_join_group; the caller sets
         this round's group bits and sizes on it next). A narrow hook: hivemind has no recovery of its own."""
         mm = self._matchmaking
-        held = [name for name in ("lock_request_join_group", "lock_looking_for_group") if getattr(mm, name).locked()]
+        held = {name for name in ("lock_request_join_group", "lock_looking_for_group") if getattr(mm, name).locked()}
+        if self._matchmaking_held_since is not None:
+            held &= self._matchmaking_held  # the same lock at every round start, not one and then the other
         if not held:
             self._matchmaking_held_since = None
             return
+        self._matchmaking_held = held
         if self._matchmaking_held_since is None:
             self._matchmaking_held_since = now
             return
         if now - self._matchmaking_held_since < MATCHMAKING_WEDGED_S:
             return
-        logger.warning(f"hivemind's matchmaking lost its {' and '.join(held)} (held at every round start for "
+        logger.warning(f"hivemind's matchmaking lost its {' and '.join(sorted(held))} (held at every round start for "
                        f"{now - self._matchmaking_held_since:.0f}s; followers {len(mm.current_followers)}, leader "
                        f"{mm.current_leader}, group assembled {mm.assembled_group.done()}): starting a fresh one")
         self._matchmaking = Matchmaking(self._p2p, self.schema_hash, self.dht, client_mode=self.client_mode,
