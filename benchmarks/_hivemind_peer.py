@@ -11,6 +11,7 @@ peers start together.
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 
@@ -68,8 +69,11 @@ def optimizer_options(args) -> dict:
     return options
 
 
-def start_optimizer(args, target: int, optimizer, scheduler):
-    """The DHT (its ``listening`` event emitted) and hivemind.Optimizer under swarmrun's timeouts."""
+def start_optimizer(args, target: int, optimizer, scheduler, rebuild=None):
+    """The DHT (its ``listening`` event emitted) and hivemind.Optimizer under swarmrun's timeouts.
+
+    ``rebuild``: ``(optimizer_factory, scheduler_factory)``; delayed updates (``--delay``) need hivemind.Optimizer to
+    build the optimizer itself, on its own copy of the parameters (``params=...``, ``optimizer=lambda params: ...``)."""
     import hivemind
     from swarmrun.node import TrainerConfig
 
@@ -77,8 +81,12 @@ def start_optimizer(args, target: int, optimizer, scheduler):
     dht = hivemind.DHT(start=True, initial_peers=args.peers or None, host_maddrs=[args.listen],
                        announce_maddrs=[args.announce] if args.announce else None)
     emit("listening", maddrs=[str(m) for m in dht.get_visible_maddrs()])
+    built = dict(optimizer=optimizer, scheduler=scheduler)
+    if args.delay and rebuild is not None:
+        params = [{**group, "params": list(group["params"])} for group in optimizer.param_groups]  # groups kept
+        built = dict(params=params, optimizer=rebuild[0], scheduler=rebuild[1])
     opt = hivemind.Optimizer(dht=dht, run_id=args.run_id, target_batch_size=target, batch_size_per_step=args.batch_size,
-                             optimizer=optimizer, scheduler=scheduler, matchmaking_time=args.matchmaking_time,
+                             **built, matchmaking_time=args.matchmaking_time,
                              averaging_timeout=cfg.averaging_timeout, allreduce_timeout=cfg.allreduce_timeout,
                              next_chunk_timeout=cfg.next_chunk_timeout, load_state_timeout=cfg.state_timeout,
                              averager_opts=dict(request_timeout=cfg.request_timeout), use_local_updates=False,
@@ -93,7 +101,10 @@ def main() -> int:
     total_steps, target = int(hparams["total_steps"]), int(hparams["target_batch_size"])
     model, optimizer, scheduler = build_model_and_optimizer(task, hparams, args.seed)
 
-    dht, opt = start_optimizer(args, target, optimizer, scheduler)
+    accepted = inspect.signature(type(optimizer).__init__).parameters  # defaults may hold more (AdamW's decoupled_...)
+    options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    rebuild = (lambda params: type(optimizer)(params, **options), lambda opt: task.build_scheduler(opt, hparams))
+    dht, opt = start_optimizer(args, target, optimizer, scheduler, rebuild)
     emit("ready", epoch=opt.local_epoch)
     model.train()
     data = batches(task, hparams, args.seed, args.batch_size, start=args.start)
