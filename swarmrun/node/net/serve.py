@@ -165,7 +165,9 @@ class StateServer:
                 data = await asyncio.wait_for(reader.read(READ_SIZE), self.chunk_timeout)
                 for event in session.receive_data(data):
                     if isinstance(event, OpenRequested):
-                        served = await self._open(session, event, remote, writer)
+                        served = await self._open(session, event, remote, writer)  # counted from here: see finally
+                        if served is not None:
+                            await self._send(writer, session.opened(served.encoded, len(served.frozen.manifest.chunks)))
                     elif isinstance(event, ChunkRequested):
                         await self._send_chunk(session, served, event.index, writer)
                     elif isinstance(event, ProtocolViolation) and event.refuse:
@@ -189,8 +191,9 @@ class StateServer:
 
     async def _open(self, session: ProviderSession, request: OpenRequested, remote: str,
                     writer: asyncio.StreamWriter) -> Optional[_Served]:
-        """Admit the joiner and serve the object it names (counted as a session), or refuse; returns what is
-        served, or None when refused."""
+        """Admit the joiner and find the object it names (counted as a session, before the answer is sent: the
+        caller's ``finally`` counts it down, however the answer fares), or refuse; returns what is served, or None
+        when refused."""
         refusal = self.admit(Open(spec_hash=request.spec_hash, manifest_hash=request.manifest_hash,
                                   credentials=request.credentials), remote)
         if refusal is not None:
@@ -208,14 +211,6 @@ class StateServer:
             return None
         self.sessions += 1
         served.sessions += 1
-        try:
-            await self._send(writer, session.opened(served.encoded, len(served.frozen.manifest.chunks)))
-        except BaseException:  # the joiner went (a fetch cancels its other providers' streams once it has the state):
-            # the session is not _handle's to count down, and a leaked one would make this provider "busy" forever
-            self.sessions -= 1
-            served.sessions -= 1
-            served.last_used = time.monotonic()
-            raise
         return served
 
     async def _send(self, writer: asyncio.StreamWriter, data: bytes, payload=None) -> None:

@@ -249,7 +249,6 @@ class RoundAverager(DecentralizedAverager):
         self._round_live = 0  # trainers the host saw live (prepare_round)
         self._matchmaking_held_since: Optional[float] = None  # see _watch_matchmaking
         self._matchmaking_held: set = set()  # the locks seen held at every round start since then
-        self.matchmaking_replaced = 0
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def __del__(self):
@@ -353,7 +352,6 @@ class RoundAverager(DecentralizedAverager):
         self._matchmaking = Matchmaking(self._p2p, self.schema_hash, self.dht, client_mode=self.client_mode,
                                         **self.matchmaking_kwargs)
         self._matchmaking_held_since = None
-        self.matchmaking_replaced += 1
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
