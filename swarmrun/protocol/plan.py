@@ -2,7 +2,11 @@
 
 A step carries ``target`` samples (``round.step_target``). The live trainers split it in proportion to their
 reported speeds, in whole blocks (largest remainder, ties to the smaller peer id), so that they finish their parts
-together and the step is the size it was asked to be. Each trainer publishes its part (``ProgressReport.quota``);
+together and the step is the size it was asked to be. The members of a committed round plan the next step with the
+speeds gathered in that round (``RoundMeta.rate``: the same numbers on each of them, so the same plan), not with
+their own views (a report is read every ``report_interval``, a step may take less: two members that planned with
+different speeds brought parts that left the step short, and the round was abandoned; the links benchmark saw it in
+most rounds). Each trainer publishes its part (``ProgressReport.quota``);
 where the published parts of the others leave the step short (their views differed a moment), the first member
 takes the rest, and where they overshoot the last member gives back what it has not computed yet. A trainer enters
 matchmaking as soon as its part is computed, with the time the slowest member should finish (``round_eta``): its
@@ -51,15 +55,18 @@ def plan_members(view: SwarmView, *, me: str, step: int, since: float = float("i
 
 
 def plan_step(view: SwarmView, *, me: str, step: int, my_rate: float, target: int, block_size: int,
-              since: float = float("inf")) -> StepPlan:
+              since: float = float("inf"), agreed: Mapping[str, float] = {}) -> StepPlan:
     """Split ``target`` among the members by speed, in blocks of ``block_size``.
 
-    A member that reports no speed yet (it just joined) counts at the mean speed of the others, or 1 if none is
-    known. The last part is trimmed so that the parts add up to exactly ``target`` samples.
+    ``agreed``: speeds gathered in the round that committed this step (this peer's among them), used before the
+    view's and ``my_rate`` for the members they name. A member that reports no speed yet (it just joined) counts at
+    the mean speed of the others, or 1 if none is known. The last part is trimmed so that the parts add up to
+    exactly ``target`` samples.
     """
     members = plan_members(view, me=me, step=step, since=since)
     rates = {p: (my_rate if p == me else r.samples_per_second) for p, r in members.items()}
     rates.setdefault(me, my_rate)
+    rates = {p: agreed.get(p) or v for p, v in rates.items()}
     known = [v for v in rates.values() if v > 0]
     fill = sum(known) / len(known) if known else 1.0
     rates = {p: (v if v > 0 else fill) for p, v in rates.items()}

@@ -66,6 +66,7 @@ class RoundMeta:
     grad_norm: float = 0.0  # declared norm of its contribution (admission refuses one far off the recent median)
     certificate: bytes = b""  # its invite certificate (an invite-only run admits it to the group only with one)
     ready_at: float = 0.0  # DHT time its part was computed (the last member's is when the step's target was reached)
+    rate: float = 0.0  # its compute speed (samples/s): every member of a committed round plans the next step with these
     version: int = ROUND_VERSION
 
     def encode(self) -> bytes:
@@ -81,6 +82,7 @@ class RoundMeta:
                 grad_norm=self.grad_norm,
                 certificate=self.certificate,
                 **({"ready_at": self.ready_at} if self.ready_at else {}),
+                **({"rate": self.rate} if self.rate else {}),
             )
         )
 
@@ -98,6 +100,7 @@ class RoundMeta:
             grad_norm=float_field(d, "grad_norm"),
             certificate=cert,
             ready_at=float_field(d, "ready_at") if "ready_at" in d else 0.0,
+            rate=max(0.0, float_field(d, "rate")) if "rate" in d else 0.0,
         )
 
 

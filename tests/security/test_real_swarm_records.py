@@ -143,14 +143,20 @@ def test_a_stranger_neither_hides_splits_stalls_nor_fakes_the_pause_of_a_real_ru
         snap = SnapshotStore(str(store)).load()
         assert (snap.frozen.step, snap.frozen.manifest.state_hash()) == (event["step"], event["state_hash"])
 
-        # one history: every step a joiner committed, p0 committed too, with the same state_hash; no step was
-        # committed by a peer alone (a group of one) or by one that saw a single trainer (the audit's split)
+        # one history: no step was committed with two state_hashes, every step a joiner committed another trainer
+        # committed too (p1 and p2 may step as a group of two while p0 re-syncs, which then skips those steps: CI
+        # saw it), and no step was committed by a peer alone (a group of one) or by one that saw a single trainer
+        # (the audit's split)
         h0 = _hashes(swarm, "p0")
         assert max(h0) <= event["step"], sorted(h0)
+        history: dict[int, str] = {}
+        for name in PEERS:
+            for s, state_hash in _hashes(swarm, name).items():
+                assert history.setdefault(s, state_hash) == state_hash, f"{name} split at step {s}"
         for name in ("p1", "p2"):
             h = _hashes(swarm, name)
-            assert len(h) >= 2 and set(h) <= set(h0), (name, sorted(h0), sorted(h))
-            assert [s for s in h if h[s] != h0[s]] == [], f"{name} split from p0"
+            others = set().union(*(_hashes(swarm, n) for n in PEERS if n != name))
+            assert len(h) >= 2 and set(h) <= others, (name, sorted(others), sorted(h))
         for name in PEERS:
             assert all(e["group"] >= 2 and e["peers"] >= 2 for e in swarm.events(name, "step")), \
                 [(e["step"], e["group"], e["peers"]) for e in swarm.events(name, "step")]

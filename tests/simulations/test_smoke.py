@@ -36,7 +36,11 @@ def test_smoke_trace_end_to_end(tmp_path):
     for name in ("loss_vs_samples.png", "peers_over_time.png", "step_rate.png", "bootstrap_times.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     keys = {json.loads(line)["peer"] for line in (out / "events.jsonl").read_text().splitlines()}
-    assert keys == {"peer0.0", "peer1.0", "peer2.0", "peer3.0"}
+    # peer2 is killed at step 2, which peer0 and peer1 (min_peers 2) may reach before peer2's process, slow to import
+    # torch on a loaded machine, has printed a line (CI saw it): its life is on record either way, its events may not be
+    assert {"peer0.0", "peer1.0", "peer3.0"} <= keys <= {"peer0.0", "peer1.0", "peer2.0", "peer3.0"}
+    lives = json.loads((out / "lives.json").read_text())["lives"]
+    assert lives["peer2.0"]["ended_by"] == "kill"
     assert summary["run_id"].startswith("sim-smoke-")
     ours = [p for p in process_cmdlines() if summary["run_id"] in p]
     assert not ours, ours  # every peer's process group is gone (the run id is on each peer's command line)

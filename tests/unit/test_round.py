@@ -1,7 +1,10 @@
 """The round's pure decisions: claims, weights, the commit vote, the step trigger, message bounds."""
 
+import dataclasses
+
 import pytest
 
+from swarmrun.protocol.codec import pack, unpack
 from swarmrun.protocol.cursor import DataCursor, RangeSet
 from swarmrun.protocol.errors import RemoteProtocolError
 from swarmrun.protocol.round import (
@@ -105,6 +108,11 @@ def test_leases_of_other_trainers_at_my_step():
 def test_messages_roundtrip_and_reject_garbage():
     m = meta([0, 1])
     assert RoundMeta.decode(m.encode()) == m
+    fast = dataclasses.replace(m, ready_at=12.5, rate=310.25)  # the speed every member plans the next step with
+    assert RoundMeta.decode(fast.encode()) == fast
+    for rate in (float("nan"), float("inf"), "fast"):
+        with pytest.raises(RemoteProtocolError):
+            RoundMeta.decode(pack(unpack(m.encode()) | {"rate": rate}))
     v = vote()
     assert Vote.decode(v.encode()) == v
     r = report(1, 2, claimed=[3])

@@ -177,18 +177,22 @@ def test_fsspec_memory_store_roundtrip():
 
 
 _KILLED_WRITER = """
-import sys, time
+import sys, threading, time
 sys.path.insert(0, {root!r})
 from swarmrun.node.state.store import SnapshotStore, Storage
 from tests.unit.test_snapshot_store import frozen_state
 
+say = threading.Lock()  # chunks are written from a thread pool: one whole line at a time (print's parts interleave)
+
 class Slow(Storage):
     def write_atomic(self, rel, data):
         if rel.startswith("snapshots"):
-            print("record", flush=True)
+            with say:
+                print("record", flush=True)
             time.sleep(60)  # killed here: every chunk written, the record not
         super().write_atomic(rel, data)
-        print("wrote", rel, flush=True)
+        with say:
+            print("wrote", rel, flush=True)
         time.sleep(0.05)
 
 url = {url!r}

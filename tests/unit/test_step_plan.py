@@ -43,6 +43,38 @@ def test_every_view_of_the_same_reports_makes_the_same_plan(rates, target, block
     assert sum(plans[0].quotas.values()) == target and min(plans[0].quotas.values()) >= 0
 
 
+@settings(max_examples=200, deadline=None)
+@given(seen=st.lists(st.lists(st.floats(1.0, 1e4), min_size=4, max_size=4), min_size=4, max_size=4),
+       gathered=st.lists(st.floats(1.0, 1e4), min_size=4, max_size=4), target=st.integers(1, 5000),
+       block=st.integers(1, 64))
+def test_the_members_of_a_committed_round_plan_the_next_step_alike_whatever_their_views(seen, gathered, target, block):
+    """Each of four members sees the others' speeds a report old and its own as it is now (``seen[i]``): their own
+    parts may not add up to the target; with the speeds the committing round gathered they do, to the sample."""
+    peers = [f"p{i}" for i in range(4)]
+    agreed = dict(zip(peers, gathered))
+    plans = []
+    for i, me in enumerate(peers):
+        view = SwarmView(reports={p: report(0, seen[i][k]) for k, p in enumerate(peers)})
+        plans.append(plan_step(view, me=me, step=0, my_rate=seen[i][i], target=target, block_size=block,
+                               agreed=agreed))
+    assert all(p == plans[0] for p in plans)
+    assert sum(plan.quotas[me] for plan, me in zip(plans, peers)) == target
+
+
+def test_speeds_seen_apart_leave_the_step_short_without_the_agreed_ones():
+    """What the links benchmark saw: four members, each its own speed fresh and the others' a report old."""
+    peers, block, target = ["a", "b", "c", "d"], 8, 64
+    old = {"a": 10.0, "b": 20.0, "c": 20.0, "d": 20.0}
+    now = {"a": 20.0, "b": 20.0, "c": 20.0, "d": 20.0}
+    view = SwarmView(reports={p: report(0, old[p]) for p in peers})
+    parts = {me: plan_step(view, me=me, step=0, my_rate=now[me], target=target, block_size=block).quotas[me]
+             for me in peers}
+    assert sum(parts.values()) != target  # without agreement: a round of these parts is abandoned
+    parts = {me: plan_step(view, me=me, step=0, my_rate=now[me], target=target, block_size=block,
+                           agreed=now).quotas[me] for me in peers}
+    assert parts == {p: 16 for p in peers}
+
+
 def test_a_short_sum_of_published_parts_goes_to_the_first_member_a_surplus_off_the_last():
     view = SwarmView(reports={"a": report(3, 1.0), "b": report(3, 1.0)})
     plan = plan_step(view, me="a", step=3, my_rate=1.0, target=64, block_size=8)

@@ -110,6 +110,7 @@ class Trainer:
         self.floor = 0  # a round fell short and this peer takes the rest: its part is at least this
         self._looking: Optional[asyncio.Future] = None  # the publish-and-read after the last commit
         self._plan_step, self._step_since = -1, 0.0  # the step plans are for, and when this peer reached it
+        self._agreed: tuple[int, dict[str, float]] = (-1, {})  # (step, the speeds its committing round gathered)
         self._met_min_peers = False
         # set by a signal (even one that came before the trainer existed), a pause, or the library's caller
         self.stop_requested = stop_requested if stop_requested is not None else asyncio.Event()
@@ -256,8 +257,10 @@ class Trainer:
     def _plan(self):
         if self._plan_step != self.state.step:  # the DHT time this peer reached its step (commit, re-sync, start)
             self._plan_step, self._step_since = self.state.step, get_dht_time()
+        step, agreed = self._agreed
         return plan_step(self.view, me=self.peer_id, step=self.state.step, my_rate=self.samples_per_second,
-                         target=self._target(), block_size=self.state.cursor.block_size, since=self._step_since)
+                         target=self._target(), block_size=self.state.cursor.block_size, since=self._step_since,
+                         agreed=agreed if step == self.state.step else {})
 
     async def _serve_laggards(self) -> None:
         """Once finished, keep serving the final state (and reporting `finished`) while live trainers are still
@@ -318,7 +321,8 @@ class Trainer:
         return RoundMeta(spec_hash=self.spec.spec_hash(), step=self.state.step, samples=self.samples,
                          blocks=self.claimed, data_epoch=self.state.cursor.data_epoch,
                          grad_norm=mean_norm(update or self.work.update(self.samples)),
-                         certificate=self.gate.credentials or b"", ready_at=self.ready_at)
+                         certificate=self.gate.credentials or b"", ready_at=self.ready_at,
+                         rate=self.samples_per_second)
 
     async def run_round(self) -> None:
         """One attempt at the next step. Commits, or abandons and keeps the accumulated gradients (unless the round
@@ -352,6 +356,7 @@ class Trainer:
             mine = self.work.fields()
             t_apply = time.perf_counter()
             await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
+            self._agreed = (self.state.step, {p: m.rate for p, m in zip(outcome.peer_ids, outcome.metas) if m.rate > 0})
             self._after_commit()
             # where the round's overhead went: the group forming after the last part was computed, the all-reduce,
             # the vote, applying the step (round_overhead_s is all of it, from the last part to this event)
@@ -372,17 +377,20 @@ class Trainer:
                 logger.warning("my claimed blocks overlapped another participant's: dropping my accumulated gradients")
                 self._zero_accumulator()
             short = self._target() - claims.samples
-            self._abandon(result.decision.reason)
-            if me >= 0 and me not in claims.refused and short > 0 and shortfall_taker(list(outcome.peer_ids),
-                                                                                      me=self.peer_id):
+            taker = me >= 0 and me not in claims.refused and short > 0 and shortfall_taker(list(outcome.peer_ids),
+                                                                                           me=self.peer_id)
+            self._abandon(result.decision.reason, parts=[m.samples for m in outcome.metas], quota=self.quota,
+                          group=[p[-6:] for p in outcome.peer_ids], takes_rest=short if taker else 0)
+            if taker:
                 self.floor = self.samples + short  # the round fell short: this peer computes the rest
 
-    def _abandon(self, reason: str) -> None:
+    def _abandon(self, reason: str, **why) -> None:
+        """``why``: what the round was made of, for the event (each member's samples, this peer's part)."""
         self.spent_at, self.ready_at = 0.0, 0.0  # the part is planned again (the swarm may have changed)
         self.stats["rounds_abandoned"] += 1
         self.failed_rounds += 1
         logger.warning(f"round abandoned: {reason}")
-        self.events.emit("round_abandoned", step=self.state.step, reason=reason)
+        self.events.emit("round_abandoned", step=self.state.step, reason=reason, **why)
         if self.failed_rounds > self.config.max_failed_rounds:
             raise IncompatibleState(f"{self.failed_rounds} rounds in a row were abandoned; last: {reason}")
 
