@@ -183,7 +183,11 @@ def _finish(folder: Path, trace, rec, *, cleaned: bool, run_id: str, args, out, 
 
     baseline = None
     steps = samples_per_step(rec)
-    if not args.no_baseline and steps and not interrupted:
+    if trace.sets.get("outer") not in (None, "none") and not args.no_baseline:
+        # the baseline takes one optimizer step per committed step on its samples: the synchronous algorithm. An
+        # outer step is H inner steps on each trainer's own blocks, then an average: no one process repeats it
+        out("sim", message="no baseline: the run is in outer mode (its loss is compared by benchmarks/links.py)")
+    elif not args.no_baseline and steps and not interrupted:
         ordered = [steps.get(s) for s in range(1, max(steps) + 1)]
         if None not in ordered:
             from swarmrun.protocol.errors import ProtocolError

@@ -21,7 +21,7 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Collection, Mapping, Optional
 
 from swarmrun.protocol.cursor import DataCursor, RangeSet, block_order
 from swarmrun.protocol.round import ProgressReport, SwarmView
@@ -44,29 +44,43 @@ class StepPlan:
 PLAN_LAG = 2
 
 
-def plan_members(view: SwarmView, *, me: str, step: int, since: float = float("inf")) -> dict[str, ProgressReport]:
-    """The trainers a step is planned with: live trainers at this step or up to ``PLAN_LAG`` behind (their commits
-    are on their way: their report is a moment old), not leaving; this peer always. A trainer behind whose report
-    was written after ``since`` (the DHT time this peer reached ``step``) is behind indeed (re-syncing, joining): it
-    is not waited for."""
-    return {p: r for p, r in view.trainers.items()
-            if p == me or (step - PLAN_LAG <= r.step <= step and not r.left and not r.finished
-                           and (r.step == step or r.time < since))}
+def plan_members(view: SwarmView, *, me: str, step: int, since: float = float("inf"),
+                 group: Optional[Collection[str]] = None) -> dict[str, ProgressReport]:
+    """The trainers a step is planned with, not leaving; this peer always.
+
+    ``group``: the members of the round that committed this step, known to be at it whatever their reports say
+    yet; with it, the others count only once their report shows this step. A trainer that was not in that round is
+    behind (it re-syncs): waiting for its part shut it out for good in the links benchmark (the group assembled
+    without it, short by its part, at every step). Without a group (this peer re-synced, joined or started), the
+    live trainers at this step or up to ``PLAN_LAG`` behind (their commits are on their way: their report is a
+    moment old); one behind whose report was written after ``since`` (the DHT time this peer reached ``step``) is
+    behind indeed: it is not waited for."""
+    def member(p: str, r: ProgressReport) -> bool:
+        if p == me:
+            return True
+        if r.left or r.finished or r.step > step:
+            return False
+        if group is not None:
+            return p in group or r.step == step
+        return r.step >= step - PLAN_LAG and (r.step == step or r.time < since)
+
+    return {p: r for p, r in view.trainers.items() if member(p, r)}
 
 
 def plan_step(view: SwarmView, *, me: str, step: int, my_rate: float, target: int, block_size: int,
               since: float = float("inf"), agreed: Mapping[str, float] = {}) -> StepPlan:
     """Split ``target`` among the members by speed, in blocks of ``block_size``.
 
-    ``agreed``: speeds gathered in the round that committed this step (this peer's among them), used before the
-    view's and ``my_rate`` for the members they name. A member that reports no speed yet (it just joined) counts at
+    ``agreed``: the members of the round that committed this step and the speeds it gathered (this peer's among
+    them; 0 for one that had none yet): the plan's members (``plan_members``' group), and their speeds before the
+    view's and ``my_rate``. A member that reports no speed yet (it just joined) counts at
     the mean speed of the others, or 1 if none is known. The last part is trimmed so that the parts add up to
     exactly ``target`` samples.
     """
-    members = plan_members(view, me=me, step=step, since=since)
+    members = plan_members(view, me=me, step=step, since=since, group=set(agreed) if agreed else None)
     rates = {p: (my_rate if p == me else r.samples_per_second) for p, r in members.items()}
     rates.setdefault(me, my_rate)
-    rates = {p: agreed.get(p) or v for p, v in rates.items()}
+    rates = {p: (agreed[p] if p in agreed else v) for p, v in rates.items()}
     known = [v for v in rates.values() if v > 0]
     fill = sum(known) / len(known) if known else 1.0
     rates = {p: (v if v > 0 else fill) for p, v in rates.items()}

@@ -75,6 +75,19 @@ def test_speeds_seen_apart_leave_the_step_short_without_the_agreed_ones():
     assert parts == {p: 16 for p in peers}
 
 
+def test_after_a_commit_the_plan_waits_for_the_round_and_trainers_at_the_step_not_for_one_behind():
+    """The links benchmark's shut-out peer: one step behind at every step (it re-synced by replay while the others
+    formed the next group), and counted by their plans, so that every round was short by its part."""
+    view = SwarmView(reports={"me": report(5, 10.0), "mate": report(4, 10.0), "behind": report(4, 10.0),
+                              "joined": report(5, 10.0), "gone": report(5, 10.0, left=True)})
+    agreed = {"me": 10.0, "mate": 10.0, "gone": 10.0}  # "mate" was in the committing round; its report is older
+    plan = plan_step(view, me="me", step=5, my_rate=10.0, target=96, block_size=8, agreed=agreed)
+    assert plan.members == ["joined", "mate", "me"] and sum(plan.quotas.values()) == 96
+    # without a round behind it (this peer re-synced or joined): trainers up to PLAN_LAG behind count, as before
+    assert plan_step(view, me="me", step=5, my_rate=10.0, target=96, block_size=8).members == \
+        ["behind", "joined", "mate", "me"]
+
+
 def test_a_short_sum_of_published_parts_goes_to_the_first_member_a_surplus_off_the_last():
     view = SwarmView(reports={"a": report(3, 1.0), "b": report(3, 1.0)})
     plan = plan_step(view, me="a", step=3, my_rate=1.0, target=64, block_size=8)

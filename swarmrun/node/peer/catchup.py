@@ -55,8 +55,8 @@ class CatchUp:
         self.diverged: Optional[Manifest] = None  # a replay that did not give the committers' state (diagnosis)
 
     def behind(self) -> bool:
-        return should_resync(self.reporter.view, me=self.peer_id, step=self.state.step,
-                             state_hash=self.served.state_hash)
+        step, state_hash = self.served.current  # a pair (a step may be being applied in the worker thread)
+        return should_resync(self.reporter.view, me=self.peer_id, step=step, state_hash=state_hash)
 
     async def catch_up(self, *, deadline: float) -> dict:
         """Reach the swarm's newest step: replay step records from this state when they reach back to it, else

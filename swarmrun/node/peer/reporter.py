@@ -91,6 +91,17 @@ class Reporter:
         self._seen = {p: t for p, t in self._seen.items() if now - t <= self.config.report_ttl}
         return len(self._seen | {self.peer_id: now})
 
+    async def serve_laggards(self, stop_requested: asyncio.Event) -> None:
+        """Once finished, keep serving the final state (and reporting `finished`) while live trainers are still
+        behind, bounded by ``finish_linger``. A peer that was waiting in a round when the others committed the
+        last step learns it only when its round times out; without this it finds no provider and no `finished`
+        report left (both expire with their TTL), and waits for peers forever."""
+        deadline = time.monotonic() + self.config.finish_linger
+        while time.monotonic() < deadline and not stop_requested.is_set():
+            if not any(p != self.peer_id and not r.finished for p, r in self.view.trainers.items()):
+                return
+            await asyncio.sleep(self.config.report_interval)
+
     async def forever(self) -> None:
         last_revocations = 0.0
         while True:

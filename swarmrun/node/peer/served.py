@@ -37,6 +37,11 @@ class ServedState:
         self.chunk_size, self.chunk_timeout = chunk_size, chunk_timeout
         self.frozen: Optional[FrozenState] = None
         self.state_hash = ""
+        # (step, state_hash) of the frozen state, replaced as one object: a step is applied in the worker thread,
+        # and a report read in between from state.step and state_hash paired the new step with the old hash (the
+        # links benchmark saw the others count those reports as a majority at the step disagreeing with theirs, and
+        # re-sync or leave a forming round for nothing)
+        self.current: tuple[int, str] = (-1, "")
         self.record: Optional[FrozenState] = None  # the step record of the last commit, not yet published
         self.server: Optional[StateServer] = None
         self.fetcher: Optional[Fetcher] = None
@@ -47,6 +52,7 @@ class ServedState:
         self.frozen = self.state.freeze(chunk_size=self.chunk_size)
         self.state_hash = self.frozen.manifest.state_hash()
         self.manifest_hash = self.frozen.manifest.manifest_hash()  # named by every provider record until the next
+        self.current = (self.frozen.step, self.state_hash)
         set_log_context(step=self.state.step)
 
     async def start(self) -> None:

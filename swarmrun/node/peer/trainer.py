@@ -213,7 +213,7 @@ class Trainer:
                 except (IncompatibleState, CatchUpFailed) as e:
                     logger.warning(f"the run finished; leaving at step {self.state.step}: {e}")
             self.finished = True
-            await self._serve_laggards()
+            await self.reporter.serve_laggards(self.stop_requested)
             return "finished"
         if self.config.max_steps is not None and self.state.step >= self.config.max_steps:
             return "max_steps"
@@ -261,17 +261,6 @@ class Trainer:
         return plan_step(self.view, me=self.peer_id, step=self.state.step, my_rate=self.samples_per_second,
                          target=self._target(), block_size=self.state.cursor.block_size, since=self._step_since,
                          agreed=agreed if step == self.state.step else {})
-
-    async def _serve_laggards(self) -> None:
-        """Once finished, keep serving the final state (and reporting `finished`) while live trainers are still
-        behind, bounded by ``finish_linger``. A peer that was waiting in a round when the others committed the
-        last step learns it only when its round times out; without this it finds no provider and no `finished`
-        report left (both expire with their TTL), and waits for peers forever."""
-        deadline = time.monotonic() + self.config.finish_linger
-        while time.monotonic() < deadline and not self.stop_requested.is_set():
-            if not any(p != self.peer_id and not r.finished for p, r in self.view.trainers.items()):
-                return
-            await asyncio.sleep(self.config.report_interval)
 
     def _target(self) -> int:
         return step_target(self.state.cursor, self.spec.target_batch_size)
@@ -356,7 +345,7 @@ class Trainer:
             mine = self.work.fields()
             t_apply = time.perf_counter()
             await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
-            self._agreed = (self.state.step, {p: m.rate for p, m in zip(outcome.peer_ids, outcome.metas) if m.rate > 0})
+            self._agreed = (self.state.step, {p: m.rate for p, m in zip(outcome.peer_ids, outcome.metas)})
             self._after_commit()
             # where the round's overhead went: the group forming after the last part was computed, the all-reduce,
             # the vote, applying the step (round_overhead_s is all of it, from the last part to this event)
@@ -486,8 +475,9 @@ class Trainer:
         left = self.stop_requested.is_set() or (
             self.config.max_steps is not None and self.state.step >= self.config.max_steps)
         leaving = self.finished or left
-        return ProgressReport(step=self.state.step, samples=self.samples, samples_per_second=self.samples_per_second,
-                              role=self.config.role, state_hash=self.state_hash, time=get_dht_time(),
+        step, state_hash = self.served.current  # a pair: not the next step with this one's hash
+        return ProgressReport(step=step, samples=self.samples, samples_per_second=self.samples_per_second,
+                              role=self.config.role, state_hash=state_hash, time=get_dht_time(),
                               finished=self.finished or self.spec.finished(self.state.step, self.state.cursor),
                               certificate=self.gate.credentials or b"",
                               claimed=RangeSet() if leaving else self.claimed, data_epoch=self.state.cursor.data_epoch,
