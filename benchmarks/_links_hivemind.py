@@ -39,9 +39,11 @@ def run_hivemind(opts, trace, logs: Path, *, peers: int, compression: str, delay
     try:
         links.open()
         deadline = time.monotonic() + STARTUP_TIMEOUT
+        join: list[str] = []
         for i in range(peers):
             prefix, listen = links.attach(f"peer{i}", i)
-            join = ["--peers", procs[0].wait_event(("listening",), deadline)["maddrs"][0]] if i else []
+            if i == 1:  # the first peer's address, once (wait_event takes the event off its queue)
+                join = ["--peers", procs[0].wait_event(("listening",), deadline)["maddrs"][0]]
             cmd = [*prefix, *base, *listen, *join, "--start", str(i * n_blocks // peers)]
             procs.append(Peer(f"hivemind-{i}", cmd, logs, stdin_pipe=True))
         for p in procs:

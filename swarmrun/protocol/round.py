@@ -9,6 +9,7 @@ votes agree and whose group holds a majority of the run's live trainers.
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
 from dataclasses import dataclass, field
@@ -367,6 +368,28 @@ def _summary(d: object) -> dict[str, int]:
     require(isinstance(d, dict) and SUMMARY_KEYS <= set(d), f"cursor summary must have keys {sorted(SUMMARY_KEYS)}")
     # samples_applied is optional: a peer of a build before sample budgets does not send it
     return {key: int_field(d, key) for key in sorted(SUMMARY_KEYS | ({"samples_applied"} & set(d)))}
+
+
+class Claims:
+    """The blocks a trainer holds gradients for (``blocks``, its round claim) and the order it took them in.
+
+    ``lease()``: what its progress report leases: all of them when they fit in ``MAX_LEASE_RANGES`` ranges, else
+    the most recently taken. A report kept its first ranges only, the lowest block ids, which say nothing of where
+    the peer takes blocks now: in outer mode a part is thousands of scattered blocks, and peers whose hands met at a
+    data epoch's end claimed the same blocks (a whole part refused)."""
+
+    def __init__(self) -> None:
+        self.blocks = RangeSet()
+        self._recent: collections.deque[int] = collections.deque(maxlen=MAX_LEASE_RANGES)
+
+    def add(self, blocks: Sequence[int]) -> None:
+        self.blocks = self.blocks.add(RangeSet.from_items(blocks))
+        self._recent.extend(blocks)
+
+    def lease(self) -> RangeSet:
+        if len(self.blocks.ranges) <= MAX_LEASE_RANGES:
+            return self.blocks
+        return RangeSet.from_items(self._recent)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,9 @@ from swarmrun.protocol.codec import pack, unpack
 from swarmrun.protocol.cursor import DataCursor, RangeSet
 from swarmrun.protocol.errors import RemoteProtocolError
 from swarmrun.protocol.round import (
+    MAX_LEASE_RANGES,
     Abandon,
+    Claims,
     Commit,
     ProgressReport,
     Role,
@@ -97,6 +99,20 @@ def test_commit_needs_every_vote_agreeing_majority_and_target():
 def report(step, samples, role=Role.TRAINER, claimed=()):
     return ProgressReport(step=step, samples=samples, samples_per_second=1.0, role=role, state_hash="h", time=0.0,
                           claimed=RangeSet.from_items(claimed))
+
+
+def test_a_report_leases_the_blocks_taken_last_when_all_do_not_fit():
+    claims = Claims()
+    claims.add([10, 11, 12])
+    assert claims.lease() == RangeSet.from_items([10, 11, 12])  # all of them, when they fit
+    scattered = list(range(0, 4 * MAX_LEASE_RANGES, 2))  # a part of outer mode: one range per block
+    claims.add(scattered)
+    assert len(claims.blocks.ranges) > MAX_LEASE_RANGES
+    lease = claims.lease()
+    assert lease == RangeSet.from_items(scattered[-MAX_LEASE_RANGES:])  # where this peer takes blocks now
+    assert len(ProgressReport.decode(report(1, 2, claimed=[]).encode()).claimed.ranges) == 0
+    sent = dataclasses.replace(report(1, 2), claimed=lease)
+    assert ProgressReport.decode(sent.encode()).claimed == lease  # it fits whole in a report
 
 
 def test_leases_of_other_trainers_at_my_step():

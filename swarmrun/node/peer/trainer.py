@@ -38,6 +38,7 @@ from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, Stopped, 
 from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE
 from swarmrun.protocol.plan import my_quota, pick_blocks, plan_step, ready_for_round, round_eta, shortfall_taker
 from swarmrun.protocol.round import (
+    Claims,
     Commit,
     ProgressReport,
     Role,
@@ -101,7 +102,7 @@ class Trainer:
         self.params = [p for p in state.model.parameters()]
         self.work = make_work(spec=spec, task=task, state=state, device=self.device, config=config)
         self.samples = 0  # samples accumulated toward the next step
-        self.claimed = RangeSet()  # blocks whose gradients are in the accumulator
+        self.claims = Claims()  # blocks whose gradients are in the accumulator
         self.quota: Optional[int] = None  # samples this peer brings to the next step (its part of the plan, published)
         # when this peer last found no free block for the next step (monotonic; 0: it did not): for a while its part
         # ends with what it has; then it looks again (a dead peer's leases expire, the view changes)
@@ -276,7 +277,7 @@ class Trainer:
         leased = self.view.leased(me=self.peer_id, step=self.state.step, data_epoch=cursor.data_epoch)
         members = sorted(set(self.view.trainers) | {self.peer_id})
         return pick_blocks(cursor, count, member=members.index(self.peer_id), members=len(members),
-                           exclude=self.claimed.add(leased))
+                           exclude=self.claims.blocks.add(leased))
 
     async def _compute_once(self, quota: int) -> None:
         if self.work.stale(self.state_hash):
@@ -291,7 +292,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         self.compute_seconds += dt
         self.samples += n
-        self.claimed = self.claimed.add(RangeSet.from_items(blocks))
+        self.claims.add(blocks)
         self.last_loss = loss
         rate = n / max(dt, 1e-6)
         self.samples_per_second = rate if self.samples_per_second == 0 else 0.8 * self.samples_per_second + 0.2 * rate
@@ -299,7 +300,7 @@ class Trainer:
     def _zero_accumulator(self) -> None:
         self.work.reset(self.state_hash)
         self.samples = 0
-        self.claimed = RangeSet()
+        self.claims = Claims()
         self.spent_at = 0.0
         self.ready_at = 0.0
         self.quota = None
@@ -308,7 +309,7 @@ class Trainer:
     # ---- the round -----------------------------------------------------------------------------------
     def _meta(self, update: Optional[tuple[list, int]] = None) -> RoundMeta:
         return RoundMeta(spec_hash=self.spec.spec_hash(), step=self.state.step, samples=self.samples,
-                         blocks=self.claimed, data_epoch=self.state.cursor.data_epoch,
+                         blocks=self.claims.blocks, data_epoch=self.state.cursor.data_epoch,
                          grad_norm=mean_norm(update or self.work.update(self.samples)),
                          certificate=self.gate.credentials or b"", ready_at=self.ready_at,
                          rate=self.samples_per_second)
@@ -479,8 +480,8 @@ class Trainer:
         return ProgressReport(step=step, samples=self.samples, samples_per_second=self.samples_per_second,
                               role=self.config.role, state_hash=state_hash, time=get_dht_time(),
                               finished=self.finished or self.spec.finished(self.state.step, self.state.cursor),
-                              certificate=self.gate.credentials or b"",
-                              claimed=RangeSet() if leaving else self.claimed, data_epoch=self.state.cursor.data_epoch,
+                              certificate=self.gate.credentials or b"", data_epoch=self.state.cursor.data_epoch,
+                              claimed=RangeSet() if leaving else self.claims.lease(),
                               cursor=self.state.cursor.summary(), snapshots=self.snapshots,
                               left=left, quota=None if leaving else self.quota)
 
