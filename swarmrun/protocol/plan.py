@@ -39,6 +39,10 @@ class StepPlan:
         return sorted(self.quotas)
 
 
+#: samples per second a plan believes at most (a report or a round's rate beyond it is a lie or a unit error; one
+#: such number must not overflow the plan of every member)
+MAX_RATE = 1e9
+
 #: a trainer this many steps behind still counts in a step's plan: its report may be older than the steps of a fast
 #: swarm (reports are read every report_interval); one further behind is re-syncing and joins the plan after
 PLAN_LAG = 2
@@ -80,7 +84,10 @@ def plan_step(view: SwarmView, *, me: str, step: int, my_rate: float, target: in
     members = plan_members(view, me=me, step=step, since=since, group=set(agreed) if agreed else None)
     rates = {p: (my_rate if p == me else r.samples_per_second) for p, r in members.items()}
     rates.setdefault(me, my_rate)
-    rates = {p: (agreed[p] if p in agreed else v) for p, v in rates.items()}
+    # a member of the round whose report this peer has not read (yet, or any more) is a member all the same: the
+    # others plan with it (one that said it left is out, by its report, on every peer that read it)
+    rates |= {p: 0.0 for p in agreed if p not in view.reports}
+    rates = {p: min(MAX_RATE, agreed[p] if p in agreed else v) for p, v in rates.items()}
     known = [v for v in rates.values() if v > 0]
     fill = sum(known) / len(known) if known else 1.0
     rates = {p: (v if v > 0 else fill) for p, v in rates.items()}

@@ -9,7 +9,6 @@ votes agree and whose group holds a majority of the run's live trainers.
 
 from __future__ import annotations
 
-import collections
 import enum
 import math
 from dataclasses import dataclass, field
@@ -101,7 +100,7 @@ class RoundMeta:
             grad_norm=float_field(d, "grad_norm"),
             certificate=cert,
             ready_at=float_field(d, "ready_at") if "ready_at" in d else 0.0,
-            rate=max(0.0, float_field(d, "rate")) if "rate" in d else 0.0,
+            rate=min(max(0.0, float_field(d, "rate")), 1e9) if "rate" in d else 0.0,
         )
 
 
@@ -373,23 +372,33 @@ def _summary(d: object) -> dict[str, int]:
 class Claims:
     """The blocks a trainer holds gradients for (``blocks``, its round claim) and the order it took them in.
 
-    ``lease()``: what its progress report leases: all of them when they fit in ``MAX_LEASE_RANGES`` ranges, else
-    the most recently taken. A report kept its first ranges only, the lowest block ids, which say nothing of where
-    the peer takes blocks now: in outer mode a part is thousands of scattered blocks, and peers whose hands met at a
-    data epoch's end claimed the same blocks (a whole part refused)."""
+    ``lease()``: what its progress report leases: all of them when they fit in ``MAX_LEASE_RANGES`` ranges, else as
+    many of the most recently taken as fit. A report kept its first ranges only, the lowest block ids, which say
+    nothing of where the peer takes blocks now: in outer mode a part is thousands of scattered blocks, and peers
+    whose hands met at a data epoch's end claimed the same blocks (a whole part refused)."""
 
     def __init__(self) -> None:
         self.blocks = RangeSet()
-        self._recent: collections.deque[int] = collections.deque(maxlen=MAX_LEASE_RANGES)
+        self._taken: list[int] = []
 
     def add(self, blocks: Sequence[int]) -> None:
         self.blocks = self.blocks.add(RangeSet.from_items(blocks))
-        self._recent.extend(blocks)
+        self._taken.extend(blocks)
 
     def lease(self) -> RangeSet:
         if len(self.blocks.ranges) <= MAX_LEASE_RANGES:
             return self.blocks
-        return RangeSet.from_items(self._recent)
+        held: set[int] = set()
+        ranges = 0
+        for block in reversed(self._taken):  # newest first, while the ranges they make still fit
+            if block in held:
+                continue
+            grown = ranges + 1 - (block - 1 in held) - (block + 1 in held)
+            if grown > MAX_LEASE_RANGES:
+                break
+            held.add(block)
+            ranges = grown
+        return RangeSet.from_items(held)
 
 
 @dataclass(frozen=True, kw_only=True)

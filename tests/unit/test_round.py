@@ -110,9 +110,15 @@ def test_a_report_leases_the_blocks_taken_last_when_all_do_not_fit():
     assert len(claims.blocks.ranges) > MAX_LEASE_RANGES
     lease = claims.lease()
     assert lease == RangeSet.from_items(scattered[-MAX_LEASE_RANGES:])  # where this peer takes blocks now
-    assert len(ProgressReport.decode(report(1, 2, claimed=[]).encode()).claimed.ranges) == 0
     sent = dataclasses.replace(report(1, 2), claimed=lease)
     assert ProgressReport.decode(sent.encode()).claimed == lease  # it fits whole in a report
+    # runs of blocks lease as many blocks as their ranges allow, not one block per range
+    runs = Claims()
+    for start in range(0, 20 * 2 * MAX_LEASE_RANGES, 20):
+        runs.add(list(range(start, start + 10)))  # 2 * MAX_LEASE_RANGES runs of 10
+    lease = runs.lease()
+    assert len(lease.ranges) == MAX_LEASE_RANGES and len(lease) == 10 * MAX_LEASE_RANGES
+    assert max(lease) == 20 * (2 * MAX_LEASE_RANGES - 1) + 9  # the newest run is in it
 
 
 def test_leases_of_other_trainers_at_my_step():

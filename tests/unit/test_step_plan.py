@@ -61,7 +61,7 @@ def test_the_members_of_a_committed_round_plan_the_next_step_alike_whatever_thei
     assert sum(plan.quotas[me] for plan, me in zip(plans, peers)) == target
 
 
-def test_speeds_seen_apart_leave_the_step_short_without_the_agreed_ones():
+def test_speeds_seen_apart_make_parts_that_miss_the_target_without_the_agreed_ones():
     """What the links benchmark saw: four members, each its own speed fresh and the others' a report old."""
     peers, block, target = ["a", "b", "c", "d"], 8, 64
     old = {"a": 10.0, "b": 20.0, "c": 20.0, "d": 20.0}
@@ -73,6 +73,25 @@ def test_speeds_seen_apart_leave_the_step_short_without_the_agreed_ones():
     parts = {me: plan_step(view, me=me, step=0, my_rate=now[me], target=target, block_size=block,
                            agreed=now).quotas[me] for me in peers}
     assert parts == {p: 16 for p in peers}
+
+
+def test_a_member_of_the_round_whose_report_this_peer_has_not_read_is_planned_all_the_same():
+    agreed = {"a": 10.0, "b": 10.0, "j": 10.0}  # j joined the round; a has not read j's report yet
+    seen_by_a = SwarmView(reports={"a": report(3, 10.0), "b": report(3, 10.0)})
+    seen_by_b = SwarmView(reports={"a": report(3, 10.0), "b": report(3, 10.0), "j": report(3, 10.0)})
+    plan_a = plan_step(seen_by_a, me="a", step=3, my_rate=10.0, target=96, block_size=8, agreed=agreed)
+    plan_b = plan_step(seen_by_b, me="b", step=3, my_rate=10.0, target=96, block_size=8, agreed=agreed)
+    assert plan_a == plan_b and plan_a.quotas == {"a": 32, "b": 32, "j": 32}
+    # one member that said it left is out (on every peer that read its report)
+    gone = SwarmView(reports={**seen_by_b.reports, "j": report(3, 10.0, left=True)})
+    assert plan_step(gone, me="b", step=3, my_rate=10.0, target=96, block_size=8, agreed=agreed).members == ["a", "b"]
+
+
+def test_a_huge_speed_is_capped_not_an_overflow():
+    view = SwarmView(reports={"a": report(3, 1e308), "b": report(3, 10.0)})
+    for agreed in ({}, {"a": 1e308, "b": 10.0}):
+        plan = plan_step(view, me="b", step=3, my_rate=10.0, target=96, block_size=8, agreed=agreed)
+        assert sum(plan.quotas.values()) == 96
 
 
 def test_after_a_commit_the_plan_waits_for_the_round_and_trainers_at_the_step_not_for_one_behind():

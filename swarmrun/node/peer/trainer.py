@@ -111,7 +111,8 @@ class Trainer:
         self.floor = 0  # a round fell short and this peer takes the rest: its part is at least this
         self._looking: Optional[asyncio.Future] = None  # the publish-and-read after the last commit
         self._plan_step, self._step_since = -1, 0.0  # the step plans are for, and when this peer reached it
-        self._agreed: tuple[int, dict[str, float]] = (-1, {})  # (step, the speeds its committing round gathered)
+        self._agreed: tuple[str, dict[str, float]] = ("", {})  # (state_hash, the speeds its committing round gathered)
+        self._applying = False  # a committed step is being applied (worker thread): the accumulator is the last step's
         self._met_min_peers = False
         # set by a signal (even one that came before the trainer existed), a pause, or the library's caller
         self.stop_requested = stop_requested if stop_requested is not None else asyncio.Event()
@@ -258,10 +259,10 @@ class Trainer:
     def _plan(self):
         if self._plan_step != self.state.step:  # the DHT time this peer reached its step (commit, re-sync, start)
             self._plan_step, self._step_since = self.state.step, get_dht_time()
-        step, agreed = self._agreed
+        committed, agreed = self._agreed  # by state: a re-sync, even to the same step, leaves that round behind
         return plan_step(self.view, me=self.peer_id, step=self.state.step, my_rate=self.samples_per_second,
                          target=self._target(), block_size=self.state.cursor.block_size, since=self._step_since,
-                         agreed=agreed if step == self.state.step else {})
+                         agreed=agreed if committed == self.state_hash else {})
 
     def _target(self) -> int:
         return step_target(self.state.cursor, self.spec.target_batch_size)
@@ -346,7 +347,7 @@ class Trainer:
             mine = self.work.fields()
             t_apply = time.perf_counter()
             await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
-            self._agreed = (self.state.step, {p: m.rate for p, m in zip(outcome.peer_ids, outcome.metas)})
+            self._agreed = (self.state_hash, {p: m.rate for p, m in zip(outcome.peer_ids, outcome.metas)})
             self._after_commit()
             # where the round's overhead went: the group forming after the last part was computed, the all-reduce,
             # the vote, applying the step (round_overhead_s is all of it, from the last part to this event)
@@ -407,9 +408,10 @@ class Trainer:
         else:
             tensors, divisor = self.work.update(self.samples)
             grads = [None if g is None else g.div_(max(1, divisor)) for g in tensors]
-        before = self.state_hash
+        before, self._applying = self.state_hash, True
         self._optimizer_step(grads, applied)
         self._zero_accumulator()
+        self._applying = False
         self.failed_rounds = 0
         self.stats["steps_committed"] += 1
         self.served.record = make_step_record(spec_hash=self.spec.spec_hash(), step=self.state.step - 1, grads=grads,
@@ -452,8 +454,7 @@ class Trainer:
                 logger.warning(f"commit hook {getattr(hook, '__name__', hook)!r} failed: {type(e).__name__}: {e}")
 
     def _compute_taken(self) -> float:
-        """The step event's ``compute_s``: seconds in the task's forward and backward since the last step event
-        (work dropped by an abandoned round included: it was computed), then counted from zero again."""
+        """The step event's ``compute_s``: forward and backward seconds since the last step event (dropped work too)."""
         taken, self.compute_seconds = self.compute_seconds, 0.0
         return round(taken, 3)
 
@@ -465,10 +466,9 @@ class Trainer:
             eta = steps_left * self.step_seconds
         else:  # before two commits: compute alone (an underestimate: rounds are not counted yet)
             eta = steps_left * self.spec.target_batch_size / sps if sps > 0 else None
-        return dict(step=self.state.step, total_steps=self.spec.total_steps, loss=self.last_loss,
-                    samples_accumulated=self.samples,
-                    state_hash=self.state_hash, samples_per_second=round(sps, 2), peers=max(1, len(trainers)),
-                    eta_s=eta, cursor=self.state.cursor.summary(), **extra)
+        return dict(step=self.state.step, total_steps=self.spec.total_steps, loss=self.last_loss, eta_s=eta,
+                    samples_accumulated=self.samples, state_hash=self.state_hash, samples_per_second=round(sps, 2),
+                    peers=max(1, len(trainers)), cursor=self.state.cursor.summary(), **extra)
 
     # ---- progress reports ----------------------------------------------------------------------------
     def _report(self) -> ProgressReport:
@@ -477,13 +477,14 @@ class Trainer:
             self.config.max_steps is not None and self.state.step >= self.config.max_steps)
         leaving = self.finished or left
         step, state_hash = self.served.current  # a pair: not the next step with this one's hash
-        return ProgressReport(step=step, samples=self.samples, samples_per_second=self.samples_per_second,
-                              role=self.config.role, state_hash=state_hash, time=get_dht_time(),
+        held = not (leaving or self._applying)  # mid-apply the accumulator is the last step's: nothing for this one
+        return ProgressReport(step=step, samples=self.samples if held else 0, role=self.config.role,
+                              samples_per_second=self.samples_per_second, state_hash=state_hash, time=get_dht_time(),
                               finished=self.finished or self.spec.finished(self.state.step, self.state.cursor),
                               certificate=self.gate.credentials or b"", data_epoch=self.state.cursor.data_epoch,
-                              claimed=RangeSet() if leaving else self.claims.lease(),
+                              claimed=self.claims.lease() if held else RangeSet(),
                               cursor=self.state.cursor.summary(), snapshots=self.snapshots,
-                              left=left, quota=None if leaving else self.quota)
+                              left=left, quota=self.quota if held else None)
 
     def _on_tick(self) -> None:
         if self.state.step > 0:
