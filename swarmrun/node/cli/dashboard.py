@@ -31,8 +31,7 @@ def parse_http(value: str) -> tuple[str, int]:
 async def read_swarm(dht, run_id: str, gate) -> dict:
     """One read of the run's live reports and providers, in the shape ``SwarmWatch.observe`` takes."""
     from swarmrun.node.net.records import read_providers, read_view
-    from swarmrun.protocol.history import run_accounting
-    from swarmrun.protocol.round import SUMMARY_KEYS
+    from swarmrun.protocol.round import SUMMARY_KEYS, run_accounting
 
     await gate.refresh(dht)
     view = await read_view(dht, run_id, gate)

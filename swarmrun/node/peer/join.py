@@ -134,7 +134,7 @@ async def _run_peer(opts: JoinOptions, events: Events, keep: Optional[dict], sig
         if spec_task is not None:
             spec_task.cancel()
         if trainer is not None:
-            await trainer.served.stop()
+            await trainer.stop_serving()
             await asyncio.to_thread(trainer.shutdown)
         await asyncio.to_thread(dht.shutdown)
 
@@ -269,7 +269,6 @@ async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) 
                     manifest_hash=plan.snapshot.frozen.manifest.manifest_hash(),
                     cursor=state.cursor.summary(), amended=plan.changes)
     if opts.task is not None or opts.spec is not None or plan is not None:
-        trainer.served.anchor_here()  # a new or resumed run's history starts with this state
         return
     view = await read_view(trainer.dht, trainer.spec.run_id, trainer.gate)
     if view.reports or await read_providers(trainer.dht, trainer.spec.run_id, trainer.gate):

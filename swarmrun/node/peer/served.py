@@ -41,13 +41,7 @@ class ServedState:
         # and a report read in between from state.step and state_hash paired the new step with the old hash (the
         # links benchmark saw the others count those reports as a majority at the step disagreeing with theirs, and
         # re-sync or leave a forming round for nothing)
-        # (step, state_hash, anchor): ``current`` and the history's anchor (``ProgressReport.anchor``) replaced as one
-        # object too: a report pairing a new step with the anchor of the one before would look outranked
-        self.position: tuple[int, str, Optional[tuple[int, str]]] = (-1, "", None)
-        # the anchor the next refresh gives the state, set before a step is applied or a state adopted: "here" (the
-        # step itself, committed by a majority round), a tuple (a replayed record's, a fetched provider's), "unknown"
-        # (a fetched state whose provider named none); None keeps the anchor
-        self.next_anchor: object = None
+        self.current: tuple[int, str] = (-1, "")
         self.record: Optional[FrozenState] = None  # the step record of the last commit, not yet published
         self.server: Optional[StateServer] = None
         self.fetcher: Optional[Fetcher] = None
@@ -58,29 +52,8 @@ class ServedState:
         self.frozen = self.state.freeze(chunk_size=self.chunk_size)
         self.state_hash = self.frozen.manifest.state_hash()
         self.manifest_hash = self.frozen.manifest.manifest_hash()  # named by every provider record until the next
-        anchor, self.next_anchor = self.next_anchor, None
-        if anchor is None:
-            anchor = self.position[2]
-        elif anchor == "here":
-            anchor = (self.frozen.step, self.state_hash)
-        elif anchor == "unknown":
-            anchor = None
-        self.position = (self.frozen.step, self.state_hash, anchor)
+        self.current = (self.frozen.step, self.state_hash)
         set_log_context(step=self.state.step)
-
-    @property
-    def current(self) -> tuple[int, str]:
-        """(step, state_hash) of the frozen state, as one pair."""
-        return self.position[:2]
-
-    @property
-    def anchor(self) -> Optional[tuple[int, str]]:
-        return self.position[2]
-
-    def anchor_here(self) -> None:
-        """This peer's state starts the run's history here (a created or resumed run): it is its own anchor."""
-        step, state_hash, _ = self.position
-        self.position = (step, state_hash, (step, state_hash))
 
     async def start(self) -> None:
         """Serve this peer's state and step records over its p2pd, and fetch through it (idempotent)."""
@@ -115,7 +88,7 @@ class ServedState:
                               state_hash=self.state_hash, total_bytes=self.frozen.manifest.total_bytes,
                               time=get_dht_time(), keeper=role == Role.KEEPER,
                               serving=self.server.sessions, log=self.server.announced_log(),
-                              certificate=self.gate.credentials or b"", anchor=self.position[2])
+                              certificate=self.gate.credentials or b"")
 
     async def stop(self) -> None:
         if self.server is not None and self.dht.is_alive():

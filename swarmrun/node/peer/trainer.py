@@ -124,7 +124,7 @@ class Trainer:
         self._last_commit: Optional[tuple[float, int]] = None  # (when, step) of the last commit
         self.last_loss: Optional[float] = None
         self.failed_rounds = 0
-        self.stats = dict(steps_committed=0, rounds_abandoned=0, resyncs=0, steps_discarded=0)
+        self.stats = dict(steps_committed=0, rounds_abandoned=0, resyncs=0)
         self.commit_hooks: list = []  # hook(frozen) after every committed step, in this loop; must not block
         self.served = ServedState(state=state, spec=spec, dht=dht, gate=self.gate,
                                   chunk_size=int(spec.hparams.get("chunk_size", DEFAULT_CHUNK_SIZE)),
@@ -135,8 +135,8 @@ class Trainer:
                                  on_tick=self._on_tick)
         self.averager = make_averager(self.params, dht, spec=spec, gate=self.gate, config=config)
         self.rounds = RoundRunner(averager=self.averager, dht=dht, spec=spec, gate=self.gate, config=config,
-                                  subkey=subkey, live=self.reporter.recently_live, moved_on=lambda: self.catchup.behind(),
-                                  stop_requested=self.stop_requested, members=self.reporter.members)
+                                  subkey=subkey, live=self.reporter.recently_live, moved_on=self._behind,
+                                  stop_requested=self.stop_requested)
         self.catchup = CatchUp(dht=dht, spec=spec, config=config, events=events, peer_id=self.peer_id, state=state,
                                served=self.served, reporter=self.reporter, stop_requested=self.stop_requested,
                                replay=self._optimizer_step,
@@ -166,7 +166,6 @@ class Trainer:
         how = await self.catch_up(deadline=time.monotonic() + self.config.state_timeout)
         self._zero_accumulator()
         self.stats["resyncs"] += 1
-        self.stats["steps_discarded"] += how["discarded"]  # a split's minority re-synced to the majority's history
         self.events.emit("resync", from_step=before, step=self.state.step, state_hash=self.state_hash,
                          seconds=round(time.perf_counter() - t0, 3), **how)
 
@@ -224,7 +223,7 @@ class Trainer:
             return "stopped"
         if self.spec.access != "open":
             self.gate.check_self(self.peer_id)  # revoked or expired: leave with exit code 4 and the reason
-        if self.catchup.behind():
+        if self._behind():
             await self.resync()
         elif self.config.role == Role.KEEPER:
             await asyncio.sleep(self.config.report_interval)
@@ -261,14 +260,15 @@ class Trainer:
         if self._plan_step != self.state.step:  # the DHT time this peer reached its step (commit, re-sync, start)
             self._plan_step, self._step_since = self.state.step, get_dht_time()
         committed, agreed = self._agreed  # by state: a re-sync, even to the same step, leaves that round behind
-        if get_dht_time() - self._step_since > self.config.report_ttl:  # a member unread this long is gone (crash,
-            agreed = {p: v for p, v in agreed.items() if p in self.view.reports or p == self.peer_id}  # partition)
         return plan_step(self.view, me=self.peer_id, step=self.state.step, my_rate=self.samples_per_second,
                          target=self._target(), block_size=self.state.cursor.block_size, since=self._step_since,
                          agreed=agreed if committed == self.state_hash else {})
 
     def _target(self) -> int:
         return step_target(self.state.cursor, self.spec.target_batch_size)
+
+    def _behind(self) -> bool:
+        return self.catchup.behind()
 
     # ---- gradients -----------------------------------------------------------------------------------
     def _take_blocks(self, quota: int) -> list[int]:
@@ -346,7 +346,7 @@ class Trainer:
             ready = max([m.ready_at for m in outcome.metas if m.ready_at] or [self.ready_at])
             mine = self.work.fields()
             t_apply = time.perf_counter()
-            await asyncio.to_thread(self._apply_step, claims.applied, True, result.decision.majority)
+            await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
             self._agreed = (self.state_hash, {p: m.rate for p, m in zip(outcome.peer_ids, outcome.metas)})
             self._after_commit()
             # where the round's overhead went: the group forming after the last part was computed, the all-reduce,
@@ -393,24 +393,22 @@ class Trainer:
             return
         ready = self.ready_at or get_dht_time()
         mine = self.work.fields()
-        # with vanished trainers remembered (crashed or cut off: the same from inside) a minority commit (no anchor)
-        await asyncio.to_thread(self._apply_step, claims.applied, False, self.reporter.members() <= 1)
+        await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=False)
         self._after_commit()
         self.events.emit("step", **self._step_fields(group=1, round_s=0.0, samples=claims.samples,
                                                       blocks=claims.applied.to_list(),
                                                       round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
                                                       compute_s=self._compute_taken(), **mine))
 
-    def _apply_step(self, applied: RangeSet, from_buffers: bool, majority: bool) -> None:
-        """The committed step: the optimizer on the (identical) averaged gradient, then cursor and step advance.
-        ``majority``: the round held a majority of the run's membership (the step becomes the history's anchor)."""
+    def _apply_step(self, applied: RangeSet, *, from_buffers: bool) -> None:
+        """The committed step: the optimizer on the (identical) averaged gradient, then cursor and step advance."""
         if from_buffers:
             with self.averager.get_tensors() as buffers:
                 grads = [buf.to(p.device, dtype=p.dtype, copy=True) for p, buf in zip(self.params, buffers)]
         else:
             tensors, divisor = self.work.update(self.samples)
             grads = [None if g is None else g.div_(max(1, divisor)) for g in tensors]
-        before, self._applying, self.served.next_anchor = self.state_hash, True, "here" if majority else None
+        before, self._applying = self.state_hash, True
         self._optimizer_step(grads, applied)
         self._zero_accumulator()
         self._applying = False
@@ -419,7 +417,7 @@ class Trainer:
         self.served.record = make_step_record(spec_hash=self.spec.spec_hash(), step=self.state.step - 1, grads=grads,
                                         applied=applied, data_epoch=self.state.cursor.data_epoch,
                                         state_hash_before=before, state_hash_after=self.state_hash,
-                                        chunk_size=self.served.chunk_size, anchor=self.served.anchor)
+                                        chunk_size=self.served.chunk_size)
         every = int(self.spec.hparams.get("eval_every", 0))
         if every and self.state.step % every == 0 or self.spec.finished(self.state.step, self.state.cursor):
             loss = self.task.evaluate(self.state.model, self.device)
@@ -478,7 +476,7 @@ class Trainer:
         left = self.stop_requested.is_set() or (
             self.config.max_steps is not None and self.state.step >= self.config.max_steps)
         leaving = self.finished or left
-        step, state_hash, anchor = self.served.position  # one object: not the next step with this one's hash
+        step, state_hash = self.served.current  # a pair: not the next step with this one's hash
         held = not (leaving or self._applying)  # mid-apply the accumulator is the last step's: nothing for this one
         return ProgressReport(step=step, samples=self.samples if held else 0, role=self.config.role,
                               samples_per_second=self.samples_per_second, state_hash=state_hash, time=get_dht_time(),
@@ -486,11 +484,14 @@ class Trainer:
                               certificate=self.gate.credentials or b"", data_epoch=self.state.cursor.data_epoch,
                               claimed=self.claims.lease() if held else RangeSet(),
                               cursor=self.state.cursor.summary(), snapshots=self.snapshots,
-                              left=left, quota=self.quota if held else None, anchor=anchor)
+                              left=left, quota=self.quota if held else None)
 
     def _on_tick(self) -> None:
         if self.state.step > 0:
             self.events.emit("progress", **self._step_fields())
+
+    async def stop_serving(self) -> None:
+        await self.served.stop()
 
     def shutdown(self) -> None:
         try:
