@@ -77,7 +77,7 @@ class CatchUp:
                 raise SwarmrunError("hivemind's DHT process died; leaving")
             await self.reporter.refresh()
             records = {p: r for p, r in (await read_providers(self.dht, self.spec.run_id, self.served.gate)).items()
-                       if p != self.peer_id}
+                       if p != self.peer_id and p not in self.served.fetcher.banned}  # a liar's state is not chosen
             if not records and not any(p != self.peer_id for p in self.reporter.view.reports):
                 last_error = "no peer of the run answered"  # a DHT read can miss under load: ask again
                 await asyncio.sleep(self.config.report_interval)
