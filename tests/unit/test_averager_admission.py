@@ -79,7 +79,7 @@ def test_a_matchmaking_lock_held_at_every_round_start_for_a_minute_is_replaced(m
     asyncio.run(lock.acquire())
     wedged = types.SimpleNamespace(lock_request_join_group=lock, lock_looking_for_group=asyncio.Lock(),
                                    current_followers={}, current_leader=None,
-                                   assembled_group=types.SimpleNamespace(done=lambda: False))
+                                   assembled_group=types.SimpleNamespace(done=lambda: False), step_control=None)
     avg = _averager()
     avg._matchmaking, avg._matchmaking_held_since, avg._matchmaking_held = wedged, None, set()
     avg._p2p, avg.schema_hash, avg.dht, avg.client_mode = "p2p", b"schema", "dht", False
@@ -100,3 +100,15 @@ def test_a_matchmaking_lock_held_at_every_round_start_for_a_minute_is_replaced(m
     avg._watch_matchmaking(200.0 + wait)
     assert avg._matchmaking == "fresh"
     assert made == [(("p2p", b"schema", "dht"), dict(client_mode=False, prefix="run", min_matchmaking_time=1.0))]
+    # a search still running for a step that is over (cancelled: the swarm moved on) is replaced at the next round's
+    # start at once: it led groups with the old step's metadata under the new step's key
+    running = types.SimpleNamespace(lock_request_join_group=asyncio.Lock(), lock_looking_for_group=asyncio.Lock(),
+                                    step_control=types.SimpleNamespace(done=lambda: False))
+    avg._matchmaking, avg._matchmaking_held_since = running, None
+    avg._watch_matchmaking(300.0)
+    assert avg._matchmaking is running and len(made) == 1  # this round's own search (not over) is left alone
+    over = types.SimpleNamespace(lock_request_join_group=asyncio.Lock(), lock_looking_for_group=asyncio.Lock(),
+                                 step_control=types.SimpleNamespace(done=lambda: True))
+    avg._matchmaking = over
+    avg._watch_matchmaking(300.0)
+    assert avg._matchmaking == "fresh" and len(made) == 2

@@ -332,8 +332,19 @@ class RoundAverager(DecentralizedAverager):
         A round starts when this peer's previous round is over, so a lock held at the start of every round for
         ``MATCHMAKING_WEDGED_S`` is taken as lost: the matchmaking's state is logged and a fresh ``Matchmaking`` takes
         its place (hivemind's handlers look it up per call, DecentralizedAverager.rpc_join_group; the caller sets
-        this round's group bits and sizes on it next). A narrow hook: hivemind has no recovery of its own."""
+        this round's group bits and sizes on it next). A narrow hook: hivemind has no recovery of its own.
+
+        A search for a step that is over (cancelled: the swarm moved on) is replaced at once: until it winds down it
+        leads groups with that step's metadata under the key of the next (the group bits are set on its key manager),
+        and a member that joined it found a member of another step and looked on; a late joiner's first round at its
+        new step stalled the whole swarm for an averaging timeout (tests/integration/test_late_joiner.py)."""
         mm = self._matchmaking
+        if mm.step_control is not None and mm.step_control.done():
+            logger.info("hivemind's search for a cancelled round is still winding down: starting a fresh matchmaking")
+            self._matchmaking = Matchmaking(self._p2p, self.schema_hash, self.dht, client_mode=self.client_mode,
+                                            **self.matchmaking_kwargs)
+            self._matchmaking_held_since = None
+            return
         held = {name for name in ("lock_request_join_group", "lock_looking_for_group") if getattr(mm, name).locked()}
         if self._matchmaking_held_since is not None:
             held &= self._matchmaking_held  # the same lock at every round start, not one and then the other
