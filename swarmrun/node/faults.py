@@ -8,6 +8,8 @@
   records, the small objects of catch-up, are not delayed);
 - ``hold@serve:steps=N``: a provider holds back the last chunk of a state until it has itself stepped N times past
   that state (bounded by the chunk timeout): the swarm moves on while the state travels, by construction;
+- ``delay@report:ms=N``: each progress report this peer stores reaches the DHT N ms after it was written (a peer
+  whose reports travel slowly: the others plan steps before they read it);
 - ``corrupt@serve:step=N``: a provider flips a byte of every chunk it serves of an object at a step >= N (a
   lying provider).
 
@@ -22,8 +24,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 ENV = "SWARMRUN_FAULTS"
-_KINDS = {("kill", "allreduce", "step"), ("delay", "serve", "ms"), ("corrupt", "serve", "step"),
-          ("hold", "serve", "steps")}
+_KINDS = {("kill", "allreduce", "step"), ("delay", "serve", "ms"), ("delay", "report", "ms"),
+          ("corrupt", "serve", "step"), ("hold", "serve", "steps")}
 
 
 @dataclass(frozen=True)

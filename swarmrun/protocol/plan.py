@@ -58,12 +58,16 @@ def plan_members(view: SwarmView, *, me: str, step: int, since: float = float("i
     without it, short by its part, at every step). Without a group (this peer re-synced, joined or started), the
     live trainers at this step or up to ``PLAN_LAG`` behind (their commits are on their way: their report is a
     moment old); one behind whose report was written after ``since`` (the DHT time this peer reached ``step``) is
-    behind indeed: it is not waited for."""
+    behind indeed: it is not waited for. A trainer that asked to be planned in a step (``ProgressReport.joining``:
+    it was left out of rounds that formed before its report was read) is a member of that step only, wherever it is
+    now: it waits there, and it must not be waited for before."""
     def member(p: str, r: ProgressReport) -> bool:
         if p == me:
             return True
         if r.left or r.finished or r.step > step:
             return False
+        if r.joining is not None:
+            return r.joining == step
         if group is not None:
             return p in group or r.step == step
         return r.step >= step - PLAN_LAG and (r.step == step or r.time < since)

@@ -327,6 +327,9 @@ class ProgressReport:
     left: bool = False  # the reporter's last report: it stopped training (max_steps, a signal, a pause)
     # samples the reporter plans to bring to the step it is at (its part of the step plan, ``protocol.plan``)
     quota: Optional[int] = None
+    # the step the reporter, a step or more behind, asks to be planned in (``protocol.plan``): a trainer left out
+    # of rounds that form before its report is read (a fast swarm) waits there for the others' plan to hold it
+    joining: Optional[int] = None
 
     def encode(self) -> bytes:
         extra = {"cursor": dict(self.cursor)} if self.cursor is not None else {}
@@ -338,6 +341,8 @@ class ProgressReport:
             extra["left"] = True
         if self.quota is not None:
             extra["quota"] = self.quota
+        if self.joining is not None:
+            extra["joining"] = self.joining
         return pack(dict(type="progress", version=ROUND_VERSION, step=self.step, samples=self.samples,
                          sps=self.samples_per_second, role=self.role.value, state_hash=self.state_hash,
                          time=self.time, maddrs=list(self.maddrs[:8]), finished=self.finished,
@@ -358,7 +363,8 @@ class ProgressReport:
                    cursor=_summary(d["cursor"]) if "cursor" in d else None,
                    certificate=bytes_field(d, "certificate", 8192) if "certificate" in d else b"",
                    snapshots=d.get("snapshots", False), left=d.get("left", False),
-                   quota=int_field(d, "quota", 0, 2**40) if "quota" in d else None)
+                   quota=int_field(d, "quota", 0, 2**40) if "quota" in d else None,
+                   joining=int_field(d, "joining") if "joining" in d else None)
 
 
 def _summary(d: object) -> dict[str, int]:
@@ -462,39 +468,3 @@ def preferred_hash(view: SwarmView, *, step: int, me: str = "") -> Optional[str]
         if p != me and r.step == step:
             counts[r.state_hash] = counts.get(r.state_hash, 0) + 1
     return min(counts, key=lambda h: (-counts[h], h)) if counts else None
-
-
-#: report TTLs a vanished trainer must stay silent before a peer may count it gone (see ``may_step_alone``)
-SOLO_QUIET_TTLS = 3
-
-
-def may_step_alone(now: float, *, me: str, last_seen: Mapping[str, float], left: Sequence[str], report_ttl: float,
-                   peak_live: int, quiet_ttls: int = SOLO_QUIET_TTLS) -> tuple[bool, str]:
-    """Whether a trainer that sees no other live trainer may commit a step alone (the evidence rule of a solo
-    commit): records simply vanishing is not evidence that the others left, since a partition or a stranger's
-    record flood looks the same from inside.
-
-    It may when every other trainer it saw either said it left (its last report had ``left``/``finished``) or has
-    been silent for ``quiet_ttls`` report TTLs; and never while its own view lost a majority suddenly: if the
-    trainers that vanished without saying so were at least half of ``peak_live`` (its high-water mark of live
-    trainers), it waits for them (or for the owner's pause / ``--min-peers`` decision) however long they are silent
-    — unless they have been silent for ``4 * quiet_ttls`` TTLs, after which a crashed majority is taken as gone.
-
-    Args:
-        last_seen: when this peer last saw each trainer live (its DHT time), itself excluded or not.
-        left: trainers whose last report said they left or finished.
-        peak_live: the most trainers this peer saw live at once since its last solo-free commit (itself included).
-    Returns:
-        (allowed, the reason).
-    """
-    gone_quietly = set(left)
-    vanished = {p: now - t for p, t in last_seen.items() if p != me and p not in gone_quietly}
-    recent = {p: age for p, age in vanished.items() if age < quiet_ttls * report_ttl}
-    if recent:
-        return False, f"{len(recent)} trainer(s) vanished within {quiet_ttls} report TTLs without saying they left"
-    if 2 * len(vanished) >= max(peak_live, 1) and vanished:
-        if min(vanished.values()) < 4 * quiet_ttls * report_ttl:
-            return False, (f"{len(vanished)} of {peak_live} trainers vanished without saying they left: a partition "
-                           f"looks the same; waiting for them")
-        return True, f"the {len(vanished)} vanished trainers have been silent for {4 * quiet_ttls} report TTLs"
-    return True, "every other trainer said it left, or a minority vanished long ago"

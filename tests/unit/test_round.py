@@ -265,24 +265,6 @@ def test_votes_count_only_from_members_of_the_round():
     assert round_votes({"b": vote(step=256, group="g1")}, group=group, group_id="g1", step=0) == {}
 
 
-def test_a_solo_commit_needs_evidence_not_vanished_records():
-    from swarmrun.protocol.round import may_step_alone
-
-    ttl = 10.0
-    ok = lambda **kw: may_step_alone(1000.0, me="me", report_ttl=ttl, **kw)[0]  # noqa: E731
-    # alone from the start, or every other trainer said it left: step alone
-    assert ok(last_seen={}, left=(), peak_live=1)
-    assert ok(last_seen={"b": 999.0, "c": 999.0}, left=("b", "c"), peak_live=3)
-    # the others' records vanished a moment ago (a partition, a flood of a stranger's records): wait
-    assert not ok(last_seen={"b": 990.0}, left=(), peak_live=2)
-    assert not ok(last_seen={"b": 1000.0 - 3 * ttl + 1}, left=(), peak_live=2)
-    # a minority vanished long ago: fine
-    assert ok(last_seen={"b": 1000.0 - 3 * ttl - 1}, left=("c", "d"), peak_live=4)
-    # a majority vanished at once: wait well beyond the quiet period, then take it as gone
-    assert not ok(last_seen={"b": 1000.0 - 3 * ttl - 1, "c": 1000.0 - 3 * ttl - 1}, left=(), peak_live=3)
-    assert ok(last_seen={"b": 1000.0 - 12 * ttl - 1, "c": 1000.0 - 12 * ttl - 1}, left=(), peak_live=3)
-
-
 def test_claims_keep_the_fullest_subset_that_fits():
     # greedy in gathered order would keep 24 + 24 and stop short of 64; the fullest subset is 24 + 40
     d = decide_claims([meta([0, 1, 2]), meta([3, 4, 5]), meta([6, 7, 8, 9, 10])], CURSOR, target=64, tolerance=0.05)

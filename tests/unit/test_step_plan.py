@@ -8,9 +8,9 @@ from swarmrun.protocol.plan import my_quota, plan_step, ready_for_round, round_e
 from swarmrun.protocol.round import ProgressReport, Role, SwarmView
 
 
-def report(step, sps=1.0, samples=0, quota=None, role=Role.TRAINER, left=False):
+def report(step, sps=1.0, samples=0, quota=None, role=Role.TRAINER, left=False, joining=None):
     return ProgressReport(step=step, samples=samples, samples_per_second=sps, role=role, state_hash="h", time=0.0,
-                          quota=quota, left=left)
+                          quota=quota, left=left, joining=joining)
 
 
 def test_parts_follow_speed_in_whole_blocks_and_add_up_to_the_target():
@@ -105,6 +105,26 @@ def test_after_a_commit_the_plan_waits_for_the_round_and_trainers_at_the_step_no
     # without a round behind it (this peer re-synced or joined): trainers up to PLAN_LAG behind count, as before
     assert plan_step(view, me="me", step=5, my_rate=10.0, target=96, block_size=8).members == \
         ["behind", "joined", "mate", "me"]
+
+
+def test_a_trainer_that_asked_for_a_step_is_planned_in_that_step_only():
+    """The late joiner of a fast swarm (the CI's liar and stranger tests): its report was read only after the others
+    had planned the step it re-synced to, at every step, until it gave up. It asks for a step ahead and waits there."""
+    view = SwarmView(reports={"me": report(7, 10.0), "mate": report(7, 10.0), "new": report(5, 10.0, joining=8)})
+    agreed = {"me": 10.0, "mate": 10.0}
+    for group in (agreed, {}):  # after a commit or not, it is not waited for before its step...
+        assert plan_step(view, me="me", step=7, my_rate=10.0, target=96, block_size=8, agreed=group).members == \
+            ["mate", "me"]
+        # ...and it is a member of its step however far behind its report still is (it replays on its way there)
+        plan = plan_step(view, me="me", step=8, my_rate=10.0, target=96, block_size=8, agreed=group)
+        assert plan.members == ["mate", "me", "new"] and sum(plan.quotas.values()) == 96
+    # an ask the swarm went past counts no more (the trainer asks again), and one that left is out
+    assert plan_step(view, me="me", step=9, my_rate=10.0, target=96, block_size=8).members == ["mate", "me"]
+    gone = SwarmView(reports={"me": report(8, 10.0), "new": report(7, 10.0, joining=8, left=True)})
+    assert plan_step(gone, me="me", step=8, my_rate=10.0, target=96, block_size=8).members == ["me"]
+    # the ask travels in the report
+    assert ProgressReport.decode(report(5, joining=8).encode()).joining == 8
+    assert ProgressReport.decode(report(5).encode()).joining is None
 
 
 def test_a_short_sum_of_published_parts_goes_to_the_first_member_a_surplus_off_the_last():

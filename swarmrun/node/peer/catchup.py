@@ -30,6 +30,12 @@ from swarmrun.protocol.spec import Spec
 from swarmrun.protocol.transfer import Choice, choose_state, log_sources
 
 RECORD_FETCH_TIMEOUT = 30.0  # one step record (a gradient's size) from its providers
+#: a peer left out of a round asks to be planned this many steps past the swarm's newest, twice as many per miss in
+#: a row (the others must read its ask before they plan that step: a report's way may take many steps), at most
+#: ``MAX_JOIN_AHEAD``
+JOIN_AHEAD, MAX_JOIN_AHEAD = 2, 64
+JOIN_MISSES_FORGOTTEN = 60.0  # seconds after which a new miss counts as the first again
+MAX_JOIN_MISSES = 10  # asks in a row the swarm went past: then it races for rounds again (and gives up after a while)
 
 logger = logging.getLogger("swarmrun.trainer")
 
@@ -53,10 +59,45 @@ class CatchUp:
         self.state, self.served, self.reporter, self.stop_requested = state, served, reporter, stop_requested
         self.replay, self.record_bytes = replay, record_bytes
         self.diverged: Optional[Manifest] = None  # a replay that did not give the committers' state (diagnosis)
+        # the step this peer asked to be planned in (``ProgressReport.joining``), until when it waits for it, and
+        # how many times in a row it was left out
+        self.joining: Optional[int] = None
+        self._join_until, self._missed_at, self.misses = 0.0, 0.0, 0
 
     def behind(self) -> bool:
         step, state_hash = self.served.current  # a pair (a step may be being applied in the worker thread)
         return should_resync(self.reporter.view, me=self.peer_id, step=step, state_hash=state_hash)
+
+    def left_out(self) -> Optional[int]:
+        """The others committed this peer's step before its round found them: their plan was made before they read
+        this peer's report (a swarm whose steps are shorter than a report's way through the DHT). Ask to be planned
+        a few steps ahead (``joining``, in this peer's reports) and wait there instead of racing every step.
+
+        Returns:
+            the step asked for (None after ``MAX_JOIN_MISSES``).
+        """
+        now = time.monotonic()
+        self.misses = self.misses + 1 if now - self._missed_at < JOIN_MISSES_FORGOTTEN else 1
+        self._missed_at, self.joining = now, None
+        if self.misses > MAX_JOIN_MISSES:
+            return None
+        ahead = min(JOIN_AHEAD << min(self.misses - 1, 8), MAX_JOIN_AHEAD)
+        self.joining = max(self.state.step, self.reporter.view.newest_step) + ahead
+        self._join_until = now + self.config.state_timeout
+        return self.joining
+
+    def waiting(self) -> bool:
+        """Whether this peer waits for the step it asked to be planned in. It stops waiting there, when no other
+        trainer is live, or after ``state_timeout`` (a swarm that stopped stepping). Caught up past it, it was left
+        out again (the others read the ask too late, or gave up waiting for its part): it asks further ahead."""
+        if self.joining is not None and self.state.step > self.joining and time.monotonic() < self._join_until:
+            logger.info(f"the swarm went past step {self.joining} without this peer; asking for step "
+                        f"{self.left_out()}")
+        if self.joining is not None and (
+                self.state.step >= self.joining or time.monotonic() > self._join_until
+                or not any(p != self.peer_id for p in self.reporter.view.trainers)):
+            self.joining = None
+        return self.joining is not None
 
     async def catch_up(self, *, deadline: float) -> dict:
         """Reach the swarm's newest step: replay step records from this state when they reach back to it, else

@@ -134,7 +134,7 @@ async def _run_peer(opts: JoinOptions, events: Events, keep: Optional[dict], sig
         if spec_task is not None:
             spec_task.cancel()
         if trainer is not None:
-            await trainer.stop_serving()
+            await trainer.served.stop()
             await asyncio.to_thread(trainer.shutdown)
         await asyncio.to_thread(dht.shutdown)
 

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
+from swarmrun.node import faults
 from swarmrun.node.net.records import read_view
 from swarmrun.node.runtime import await_future
 from swarmrun.protocol.round import ProgressReport, Role, SwarmView, progress_key
@@ -60,9 +61,11 @@ class Reporter:
             except Exception as e:
                 logger.debug(f"could not announce the served state: {e!r}")
         try:
+            report = self.report().encode()
+            if faults.delay_seconds("report"):
+                await asyncio.sleep(faults.delay_seconds("report"))
             await await_future(self.dht.store(progress_key(self.spec.run_id), subkey=self.subkey,
-                                              value=self.report().encode(), expiration_time=expiration,
-                                              return_future=True))
+                                              value=report, expiration_time=expiration, return_future=True))
             self._published = time.monotonic()
         except Exception as e:
             logger.debug(f"could not publish progress: {e!r}")

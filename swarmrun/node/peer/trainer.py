@@ -27,7 +27,7 @@ from swarmrun.node.output import Events
 from swarmrun.node.peer.access import AccessGate
 from swarmrun.node.peer.catchup import CatchUp
 from swarmrun.node.peer.reporter import Reporter
-from swarmrun.node.peer.rounds import RoundRunner, make_averager
+from swarmrun.node.peer.rounds import RoundRunner, SwarmMovedOn, make_averager
 from swarmrun.node.peer.served import ServedState
 from swarmrun.node.peer.work import make_work, mean_norm
 from swarmrun.node.state.run import FrozenState, RunState
@@ -135,8 +135,8 @@ class Trainer:
                                  on_tick=self._on_tick)
         self.averager = make_averager(self.params, dht, spec=spec, gate=self.gate, config=config)
         self.rounds = RoundRunner(averager=self.averager, dht=dht, spec=spec, gate=self.gate, config=config,
-                                  subkey=subkey, live=self.reporter.recently_live, moved_on=self._behind,
-                                  stop_requested=self.stop_requested)
+                                  subkey=subkey, live=self.reporter.recently_live,
+                                  moved_on=lambda: self.catchup.behind(), stop_requested=self.stop_requested)
         self.catchup = CatchUp(dht=dht, spec=spec, config=config, events=events, peer_id=self.peer_id, state=state,
                                served=self.served, reporter=self.reporter, stop_requested=self.stop_requested,
                                replay=self._optimizer_step,
@@ -223,8 +223,11 @@ class Trainer:
             return "stopped"
         if self.spec.access != "open":
             self.gate.check_self(self.peer_id)  # revoked or expired: leave with exit code 4 and the reason
-        if self._behind():
+        if self.catchup.behind():
             await self.resync()
+        elif self.catchup.waiting():  # for the step it asked to be planned in: the swarm's next commits come first
+            await asyncio.sleep(self.config.report_interval / 4)
+            await self.reporter.refresh()
         elif self.config.role == Role.KEEPER:
             await asyncio.sleep(self.config.report_interval)
         elif not self._peers_met():
@@ -267,9 +270,6 @@ class Trainer:
     def _target(self) -> int:
         return step_target(self.state.cursor, self.spec.target_batch_size)
 
-    def _behind(self) -> bool:
-        return self.catchup.behind()
-
     # ---- gradients -----------------------------------------------------------------------------------
     def _take_blocks(self, quota: int) -> list[int]:
         """The next blocks to compute: a batch, or what is left of this peer's part if less."""
@@ -302,10 +302,7 @@ class Trainer:
         self.work.reset(self.state_hash)
         self.samples = 0
         self.claims = Claims()
-        self.spent_at = 0.0
-        self.ready_at = 0.0
-        self.quota = None
-        self.floor = 0
+        self.spent_at, self.ready_at, self.quota, self.floor = 0.0, 0.0, None, 0
 
     # ---- the round -----------------------------------------------------------------------------------
     def _meta(self, update: Optional[tuple[list, int]] = None) -> RoundMeta:
@@ -337,9 +334,10 @@ class Trainer:
                                                eta=round_eta(plan, self.view, me=self.peer_id, step=self.state.step))
         except Stopped:
             raise
-        except Exception as e:
-            self._abandon(f"no round formed: {type(e).__name__}: {e}")
-            await self.reporter.refresh()
+        except Exception as e:  # left out by a fast swarm: ask to be planned a step ahead (published below)
+            asks = {"asks_for": self.catchup.left_out()} if isinstance(e, SwarmMovedOn) else {}
+            self._abandon(f"no round formed: {type(e).__name__}: {e}", **asks)
+            await self.reporter.publish_and_read()
             return
         claims, outcome = result.claims, result.outcome
         if isinstance(result.decision, Commit):
@@ -355,8 +353,7 @@ class Trainer:
                          allreduce_s=round(outcome.allreduce_s, 3), apply_s=round(time.perf_counter() - t_apply, 3))
             self.events.emit("step", **self._step_fields(group=len(outcome.peer_ids), round_s=result.seconds,
                                                           vote_s=round(result.vote_seconds, 3), samples=claims.samples,
-                                                          **parts,
-                                                          blocks=claims.applied.to_list(),
+                                                          **parts, blocks=claims.applied.to_list(),
                                                           round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
                                                           sent_bytes=outcome.sent_bytes,
                                                           compute_s=self._compute_taken(), **mine))
@@ -484,14 +481,11 @@ class Trainer:
                               certificate=self.gate.credentials or b"", data_epoch=self.state.cursor.data_epoch,
                               claimed=self.claims.lease() if held else RangeSet(),
                               cursor=self.state.cursor.summary(), snapshots=self.snapshots,
-                              left=left, quota=self.quota if held else None)
+                              left=left, quota=self.quota if held else None, joining=self.catchup.joining)
 
     def _on_tick(self) -> None:
         if self.state.step > 0:
             self.events.emit("progress", **self._step_fields())
-
-    async def stop_serving(self) -> None:
-        await self.served.stop()
 
     def shutdown(self) -> None:
         try:
