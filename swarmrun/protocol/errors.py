@@ -52,6 +52,14 @@ class CatchUpFailed(SwarmrunError):
     exit_code = 3
 
 
+class RoundsFailed(SwarmrunError):
+    """This peer's rounds were abandoned ``max_failed_rounds`` times in a row: no group with the run's other peers
+    formed or committed (they could not be reached, or stepped faster than this peer could join): not a corrupt or
+    incompatible state (issue 14: a fast swarm's joiner that gave up left with exit 5)."""
+
+    exit_code = 3
+
+
 class AccessRefused(SwarmrunError):
     """The run's access policy does not admit this peer."""
 

@@ -34,7 +34,7 @@ from swarmrun.node.state.run import FrozenState, RunState
 from swarmrun.node.state.steps import make_step_record
 from swarmrun.node.tasks.base import Task
 from swarmrun.protocol.cursor import RangeSet
-from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, Stopped, SwarmrunError
+from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, RoundsFailed, Stopped, SwarmrunError
 from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE
 from swarmrun.protocol.plan import my_quota, pick_blocks, plan_step, ready_for_round, round_eta, shortfall_taker
 from swarmrun.protocol.round import (
@@ -380,7 +380,7 @@ class Trainer:
         logger.warning(f"round abandoned: {reason}")
         self.events.emit("round_abandoned", step=self.state.step, reason=reason, **why)
         if self.failed_rounds > self.config.max_failed_rounds:
-            raise IncompatibleState(f"{self.failed_rounds} rounds in a row were abandoned; last: {reason}")
+            raise RoundsFailed(f"{self.failed_rounds} rounds in a row were abandoned; last: {reason}")
 
     async def _commit_alone(self) -> None:
         """The only live trainer commits its own gradient: a group of one is the whole run."""

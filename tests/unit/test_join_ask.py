@@ -1,0 +1,62 @@
+"""A trainer left out by a fast swarm asks to be planned a step ahead (``CatchUp.left_out``), waits there, and asks
+further ahead when the swarm went past its ask; rounds that keep failing end in exit 3, not exit 5 (issue 14)."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from swarmrun.node.peer import catchup as catchup_mod
+from swarmrun.node.peer.catchup import CatchUp
+from swarmrun.node.peer.trainer import Trainer
+from swarmrun.protocol.errors import RoundsFailed
+from swarmrun.protocol.round import ProgressReport, Role, SwarmView
+
+
+def _report(step: int) -> ProgressReport:
+    return ProgressReport(step=step, samples=0, samples_per_second=1.0, role=Role.TRAINER, state_hash="h", time=0.0)
+
+
+def _catch_up(swarm_step: int, my_step: int) -> CatchUp:
+    view = SwarmView(reports={"QmOther": _report(swarm_step), "QmMe": _report(my_step)})
+    return CatchUp(dht=None, spec=SimpleNamespace(run_id="r"), config=SimpleNamespace(state_timeout=60.0),
+                   events=None, peer_id="QmMe", state=SimpleNamespace(step=my_step), served=None,
+                   reporter=SimpleNamespace(view=view), stop_requested=asyncio.Event(), replay=None, record_bytes=1)
+
+
+def test_an_ask_lies_ahead_of_the_swarm_and_doubles_per_miss():
+    up = _catch_up(swarm_step=40, my_step=38)
+    assert up.left_out() == 42 and up.waiting()  # two past the swarm's newest step
+    up.state.step = 41  # replayed on its way: still waiting
+    assert up.waiting() and up.joining == 42
+    up.state.step = 42  # at its step: it trains
+    assert not up.waiting() and up.joining is None
+    # left out again (within a minute): four ahead, then eight, ...
+    up.reporter.view = SwarmView(reports={"QmOther": _report(50)})
+    assert up.left_out() == 54
+    # caught up past its ask (the swarm did not read it in time): it asks again, further ahead, and waits
+    up.state.step = 56
+    up.reporter.view = SwarmView(reports={"QmOther": _report(56)})
+    assert up.waiting() and up.joining == 56 + 8
+
+
+def test_asks_stop_after_max_misses_and_when_the_others_are_gone(monkeypatch):
+    up = _catch_up(swarm_step=10, my_step=10)
+    for _ in range(catchup_mod.MAX_JOIN_MISSES):
+        assert up.left_out() is not None
+    assert up.joining - 10 == catchup_mod.MAX_JOIN_AHEAD  # capped
+    assert up.left_out() is None and not up.waiting()  # it races for rounds again (and gives up after a while)
+    lone = _catch_up(swarm_step=10, my_step=10)
+    lone.left_out()
+    lone.reporter.view = SwarmView(reports={"QmMe": _report(10)})  # no other trainer is live: nothing to wait for
+    assert not lone.waiting()
+
+
+def test_rounds_abandoned_in_a_row_end_in_exit_3():
+    trainer = SimpleNamespace(spent_at=0.0, ready_at=0.0, stats={"rounds_abandoned": 0}, failed_rounds=2,
+                              state=SimpleNamespace(step=7),
+                              config=SimpleNamespace(max_failed_rounds=2),
+                              events=SimpleNamespace(emit=lambda *a, **k: None))
+    with pytest.raises(RoundsFailed) as caught:
+        Trainer._abandon(trainer, "no round formed: SwarmMovedOn: the swarm committed this step before a group formed")
+    assert caught.value.exit_code == 3 and "3 rounds in a row" in str(caught.value)
