@@ -89,8 +89,11 @@ class Reporter:
         """Trainers seen live within the report TTL (a high-water mark: a view that is still forming, at a start or
         under load, must not make a minority look like a majority)."""
         now = time.monotonic()
-        for peer in self.view.trainers:
-            self._seen[peer] = now
+        for peer, r in self.view.trainers.items():
+            if r.joining is not None and r.joining > r.step:  # it waits for a later step: not in the rounds before
+                self._seen.pop(peer, None)  # (counted, it made every group of the others a minority: smoke trace)
+            else:
+                self._seen[peer] = now
         self._seen = {p: t for p, t in self._seen.items() if now - t <= self.config.report_ttl}
         return len(self._seen | {self.peer_id: now})
 
