@@ -1,5 +1,8 @@
 """Real peers (`node join` processes) on loopback: training, identical states, a peer killed mid all-reduce."""
 
+import signal
+import time
+
 import pytest
 
 from tests.swarm_helpers import Swarm
@@ -88,9 +91,6 @@ def test_survivors_go_on_when_a_member_of_the_last_round_crashes(tmp_path):
     covers a crash inside a round): the others planned the next step with it, and that round falls short by its
     part; the first member takes the rest and the two go on as a group of two (a partition in a 3-peer namespace run
     once left the majority committing nothing for 20 s; a crash does not, here)."""
-    import signal
-    import time
-
     with Swarm(tmp_path, "crash") as swarm:
         common = ("--matchmaking-time", "1.0")
         swarm.create("p0", "--task", "synthetic", "--set", "total_steps=100000", "--set", "hidden=64",

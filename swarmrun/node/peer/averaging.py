@@ -341,9 +341,7 @@ class RoundAverager(DecentralizedAverager):
         mm = self._matchmaking
         if mm.step_control is not None and mm.step_control.done():
             logger.info("hivemind's search for a cancelled round is still winding down: starting a fresh matchmaking")
-            self._matchmaking = Matchmaking(self._p2p, self.schema_hash, self.dht, client_mode=self.client_mode,
-                                            **self.matchmaking_kwargs)
-            self._matchmaking_held_since = None
+            self._fresh_matchmaking()
             return
         held = {name for name in ("lock_request_join_group", "lock_looking_for_group") if getattr(mm, name).locked()}
         if self._matchmaking_held_since is not None:
@@ -360,6 +358,9 @@ class RoundAverager(DecentralizedAverager):
         logger.warning(f"hivemind's matchmaking lost its {' and '.join(sorted(held))} (held at every round start for "
                        f"{now - self._matchmaking_held_since:.0f}s; followers {len(mm.current_followers)}, leader "
                        f"{mm.current_leader}, group assembled {mm.assembled_group.done()}): starting a fresh one")
+        self._fresh_matchmaking()
+
+    def _fresh_matchmaking(self) -> None:
         self._matchmaking = Matchmaking(self._p2p, self.schema_hash, self.dht, client_mode=self.client_mode,
                                         **self.matchmaking_kwargs)
         self._matchmaking_held_since = None

@@ -81,7 +81,7 @@ class CatchUp:
         self._missed_at, self.joining = now, None
         if self.misses > MAX_JOIN_MISSES:
             return None
-        ahead = min(JOIN_AHEAD << min(self.misses - 1, 8), MAX_JOIN_AHEAD)
+        ahead = min(JOIN_AHEAD << (self.misses - 1), MAX_JOIN_AHEAD)
         self.joining = max(self.state.step, self.reporter.view.newest_step) + ahead
         self._join_until = now + self.config.state_timeout
         return self.joining
