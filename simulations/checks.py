@@ -46,9 +46,27 @@ class Record:
     end: float = 0.0
     proxies: dict = field(default_factory=dict)  # traces with latency: the delay proxies' counters and audit
     link_bytes: dict = field(default_factory=dict)  # traces with links: bytes each peer's namespace sent, at the end
+    _gone: tuple = field(default=(None, set()), repr=False)  # (events seen, discarded indices): ``discarded``'s cache
 
     def of(self, *kinds: str):
-        return [(t, k, e) for t, k, e in self.events if e.get("event") in kinds]
+        """The events of these kinds, without those of a history its peer later discarded (``discarded``)."""
+        gone = self.discarded()
+        return [(t, k, e) for i, (t, k, e) in enumerate(self.events) if e.get("event") in kinds and i not in gone]
+
+    def discarded(self) -> set[int]:
+        """Indices of events a peer printed on a history it discarded later: a split's minority re-synced to the
+        majority's history and said how many of its steps it gave up (``resync``'s ``discarded``, at most the steps
+        since its last majority commit); its events at those steps, printed before the re-sync, are not the run's."""
+        if self._gone[0] != (id(self.events), len(self.events)):
+            gone: set[int] = set()
+            for j, (_, key, e) in enumerate(self.events):
+                lost, top = e.get("discarded") or 0, e.get("from_step")
+                if e.get("event") != "resync" or not lost or top is None:
+                    continue
+                gone |= {i for i, (_, k, x) in enumerate(self.events[:j])
+                         if k == key and isinstance(x.get("step"), int) and top - lost < x["step"] <= top}
+            self._gone = ((id(self.events), len(self.events)), gone)
+        return self._gone[1]
 
 
 def _holders(rec: Record) -> dict[tuple[int, str], list[tuple[float, str]]]:

@@ -3,13 +3,15 @@
 ``SWARMRUN_FAULTS`` holds ``;``-separated faults ``KIND@POINT:KEY=N``:
 
 - ``kill@allreduce:step=N``: SIGKILL to this peer's whole process group in the middle of the all-reduce (after
-  its first part was reduced) of the first round it takes part in at a step >= N;
+  its first part was reduced or sent) of the first round it takes part in at a step >= N;
 - ``delay@serve:ms=N``: a provider waits N ms before each chunk of a state it serves (a slow provider; step
   records, the small objects of catch-up, are not delayed);
 - ``hold@serve:steps=N``: a provider holds back the last chunk of a state until it has itself stepped N times past
   that state (bounded by the chunk timeout): the swarm moves on while the state travels, by construction;
 - ``delay@report:ms=N``: each progress report this peer stores reaches the DHT N ms after it was written (a peer
   whose reports travel slowly: the others plan steps before they read it);
+- ``delay@apply:ms=N``: each committed step (with a round or alone) is applied N ms later (a slow step: a peer
+  alone must not outrun what a test needs it to do, e.g. reach the run's end during a split);
 - ``corrupt@serve:step=N``: a provider flips a byte of every chunk it serves of an object at a step >= N (a
   lying provider).
 
@@ -25,7 +27,7 @@ from typing import Optional
 
 ENV = "SWARMRUN_FAULTS"
 _KINDS = {("kill", "allreduce", "step"), ("delay", "serve", "ms"), ("delay", "report", "ms"),
-          ("corrupt", "serve", "step"), ("hold", "serve", "steps")}
+          ("delay", "apply", "ms"), ("corrupt", "serve", "step"), ("hold", "serve", "steps")}
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ from swarmrun.protocol.spec import DEFAULT_STEP_TOLERANCE
 ROUND_VERSION = 1
 MAX_META_BYTES = 64 * 1024
 MAX_REPORT_BYTES = 16 * 1024
+#: (step, state_hash) of the newest step of a history that a majority round committed (``ProgressReport.anchor``)
+Anchor = tuple[int, str]
 MAX_LEASE_RANGES = 256
 SUMMARY_KEYS = frozenset({"blocks_applied", "blocks_pending", "blocks_skipped", "blocks_duplicated", "data_epoch"})
 
@@ -216,17 +218,22 @@ class Vote:
     ok: bool  # its all-reduce was complete (no failed reducer, no banned sender, finite average)
     reason: str = ""
     live: int = 0  # trainers this participant saw live recently: the group must be a majority of everyone's count
+    # the run's membership as this participant remembers it (``Reporter.members``): live trainers and those that
+    # vanished without saying they left, lately. A round that holds a majority of it advances the history's anchor
+    members: int = 0
 
     def encode(self) -> bytes:
+        extra = {"members": self.members} if self.members else {}
         return pack(dict(type="vote", version=ROUND_VERSION, step=self.step, group_id=self.group_id,
-                         grad_hash=self.grad_hash, ok=self.ok, reason=self.reason[:200], live=self.live))
+                         grad_hash=self.grad_hash, ok=self.ok, reason=self.reason[:200], live=self.live, **extra))
 
     @classmethod
     def decode(cls, data: bytes) -> "Vote":
         d = message(data, "vote", ROUND_VERSION, max_size=4096)
         require(isinstance(d.get("ok"), bool), "ok must be a bool")
         return cls(step=int_field(d, "step"), group_id=str_field(d, "group_id", 128), grad_hash=str_field(d, "grad_hash", 128),
-                   ok=d["ok"], reason=str_field(d, "reason", 200), live=int_field(d, "live", 0, 1 << 20) if "live" in d else 0)
+                   ok=d["ok"], reason=str_field(d, "reason", 200), live=int_field(d, "live", 0, 1 << 20) if "live" in d else 0,
+                   members=int_field(d, "members", 0, 1 << 20) if "members" in d else 0)
 
 
 def round_votes(votes: Mapping[str, Vote], *, group: Sequence[str], group_id: str, step: int) -> dict[str, Vote]:
@@ -252,7 +259,9 @@ def vote_wait_over(*, mine: Vote, votes: Mapping[str, Vote], group: Sequence[str
 
 @dataclass(frozen=True)
 class Commit:
-    pass
+    # the round held a majority of the run's membership as its members remember it (``majority_round``): the step
+    # becomes its history's anchor. Set by the round runner after ``decide_commit``
+    majority: bool = True
 
 
 @dataclass(frozen=True)
@@ -303,6 +312,15 @@ def decide_commit(
     return Commit()
 
 
+def majority_round(votes: Mapping[str, Vote], group: Sequence[str]) -> bool:
+    """Whether a committed round held a majority of the run's membership as its members remember it (the largest
+    ``members`` any member voted): only such a round advances its history's anchor. Every member computes it from
+    the same votes, so the members of one round agree on it. A vote without ``members`` (a peer of an earlier
+    build) counts its ``live``."""
+    remembered = max([len(group), *(max(votes[p].members, votes[p].live) for p in group if p in votes)])
+    return len(group) >= remembered // 2 + 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProgressReport:
     """A peer's periodic report in the DHT: where it is, how fast it goes, what it can serve."""
@@ -330,9 +348,15 @@ class ProgressReport:
     # the step the reporter, a step or more behind, asks to be planned in (``protocol.plan``): a trainer left out
     # of rounds that form before its report is read (a fast swarm) waits there for the others' plan to hold it
     joining: Optional[int] = None
+    # the newest step of the reporter's history that a majority round committed, (step, state_hash): which history
+    # wins when two sides of a split meet again (``should_resync``). None: unknown (a joiner before its first
+    # state, a peer of an earlier build)
+    anchor: Optional[Anchor] = None
 
     def encode(self) -> bytes:
         extra = {"cursor": dict(self.cursor)} if self.cursor is not None else {}
+        if self.anchor is not None:
+            extra["anchor"] = list(self.anchor)
         if self.certificate:
             extra["certificate"] = self.certificate
         if self.snapshots:
@@ -364,7 +388,14 @@ class ProgressReport:
                    certificate=bytes_field(d, "certificate", 8192) if "certificate" in d else b"",
                    snapshots=d.get("snapshots", False), left=d.get("left", False),
                    quota=int_field(d, "quota", 0, 2**40) if "quota" in d else None,
-                   joining=int_field(d, "joining") if "joining" in d else None)
+                   joining=int_field(d, "joining") if "joining" in d else None,
+                   anchor=decode_anchor(d["anchor"]) if "anchor" in d else None)
+
+
+def decode_anchor(value: object) -> Anchor:
+    """An anchor received on the wire: ``[step, state_hash]``."""
+    require(isinstance(value, list) and len(value) == 2, "anchor must be [step, state_hash]")
+    return int_field({"s": value[0]}, "s"), str_field({"h": value[1]}, "h", 128)
 
 
 def _summary(d: object) -> dict[str, int]:
@@ -434,37 +465,3 @@ class SwarmView:
             if peer != me and r.step == step and r.data_epoch == data_epoch:
                 out = out.add(r.claimed)
         return out
-
-
-def run_accounting(view: SwarmView) -> Optional[dict[str, int]]:
-    """The run's data accounting as its live peers report it: the cursor summary of the newest step, from a
-    peer holding the state most trainers at that step hold; None if no peer at that step reports one."""
-    step = view.newest_step
-    wanted = preferred_hash(view, step=step)
-    candidates = sorted((p, r) for p, r in view.reports.items() if r.step == step and r.cursor is not None)
-    ranked = sorted(candidates, key=lambda pr: (pr[1].state_hash != wanted, pr[0]))
-    return dict(ranked[0][1].cursor) if ranked else None
-
-
-def should_resync(view: SwarmView, *, me: str, step: int, state_hash: str) -> bool:
-    """Whether this peer must fetch the swarm's state: a trainer is ahead of it, or at its step the trainers
-    disagree with its state and outnumber those that agree (ties go to the smaller hash), which heals a split
-    that a lost view of the swarm could cause."""
-    others = {p: r for p, r in view.trainers.items() if p != me}
-    if any(r.step > step for r in others.values()):
-        return True
-    counts: dict[str, int] = {state_hash: 1}
-    for r in others.values():
-        if r.step == step:
-            counts[r.state_hash] = counts.get(r.state_hash, 0) + 1
-    best = min(counts, key=lambda h: (-counts[h], h))
-    return best != state_hash
-
-
-def preferred_hash(view: SwarmView, *, step: int, me: str = "") -> Optional[str]:
-    """The state_hash most other trainers at ``step`` report (ties to the smaller hash); None if none does."""
-    counts: dict[str, int] = {}
-    for p, r in view.trainers.items():
-        if p != me and r.step == step:
-            counts[r.state_hash] = counts.get(r.state_hash, 0) + 1
-    return min(counts, key=lambda h: (-counts[h], h)) if counts else None

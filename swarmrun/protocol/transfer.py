@@ -23,6 +23,7 @@ from typing import Any, Optional
 from swarmrun.protocol.codec import bytes_field, float_field, int_field, pack, require, unpack  # one set of field validators
 from swarmrun.protocol.errors import RemoteProtocolError
 from swarmrun.protocol.manifest import MAX_CHUNK_SIZE, MAX_MANIFEST_SIZE
+from swarmrun.protocol.round import decode_anchor
 
 TRANSFER_VERSION = 2  # 2: manifests of version 2 (BLAKE3 digests) behind the same messages
 MAX_HEADER_BYTES = 4096
@@ -65,13 +66,16 @@ class ProviderRecord:
     serving: int = 0  # transfers in progress, so joiners can prefer idle providers
     log: Mapping[int, str] = field(default_factory=dict)
     certificate: bytes = b""  # the provider's access certificate (invite-only runs: readers check it)
+    # the served state's history anchor (``ProgressReport.anchor``): a peer that fetches the state takes it on
+    anchor: Optional[tuple[int, str]] = None
 
     def encode(self) -> bytes:
         log = sorted(self.log.items())[-MAX_LOG_ANNOUNCED:]
         return pack(dict(type="provider", version=TRANSFER_VERSION, step=self.step, manifest_hash=self.manifest_hash,
                          state_hash=self.state_hash, total_bytes=self.total_bytes, time=self.time,
                          keeper=self.keeper, serving=self.serving, log=[[s, h] for s, h in log],
-                         **({"certificate": self.certificate} if self.certificate else {})))
+                         **({"certificate": self.certificate} if self.certificate else {}),
+                         **({"anchor": list(self.anchor)} if self.anchor is not None else {})))
 
     @classmethod
     def decode(cls, data: bytes) -> ProviderRecord:
@@ -89,7 +93,8 @@ class ProviderRecord:
         return cls(step=int_field(d, "step"), manifest_hash=_digest(d, "manifest_hash"), state_hash=_digest(d, "state_hash"),
                    total_bytes=int_field(d, "total_bytes"), time=float_field(d, "time"), keeper=d["keeper"],
                    serving=int_field(d, "serving", 0, 1 << 16), log=entries,
-                   certificate=bytes_field(d, "certificate", MAX_CERTIFICATE_BYTES) if "certificate" in d else b"")
+                   certificate=bytes_field(d, "certificate", MAX_CERTIFICATE_BYTES) if "certificate" in d else b"",
+                   anchor=decode_anchor(d["anchor"]) if "anchor" in d else None)
 
 
 @dataclass(frozen=True)

@@ -167,3 +167,22 @@ def test_the_runner_tells_a_sample_budget_from_the_trace_and_the_task():
 
     assert not sample_budget_of("synthetic", {}) and not sample_budget_of("synthetic", {"total_steps": 8})
     assert sample_budget_of("synthetic", {"epochs": 1}) and sample_budget_of("synthetic", {"total_samples": 640})
+
+
+def test_a_history_its_peer_discarded_at_a_reunion_is_not_the_runs():
+    """A split's minority stepped alone (steps 2-3 of its own) and re-synced to the majority's history, discarding
+    them: its events at those steps are not the run's; without the resync's ``discarded`` they are a fork."""
+    rec = healthy()
+    rec.lives["peer2.0"].start = 1.4
+    rec.events[4:5] = [(1.5, "peer2.0", {"event": "bootstrapped", "step": 1, "state_hash": "a", "seconds": 0.5}),
+                       (2.6, "peer2.0", step(2, "minority2")), (2.7, "peer2.0", step(3, "minority3"))]
+    assert not state_hash_agrees(rec)[0] and not no_committed_step_lost(rec)[0]
+    rec.events.append((7.05, "peer2.0", {"event": "resync", "from_step": 3, "step": 2, "state_hash": "b",
+                                         "discarded": 2, "seconds": 0.1}))
+    rec.events.sort(key=lambda e: e[0])
+    inv, problems = check_all(rec, cleaned=True, loss_ok=True)
+    assert all(inv.values()), problems
+    assert [e["state_hash"] for _, k, e in rec.of("step") if k == "peer2.0"] == ["c"]
+    # a re-sync that discarded fewer steps than it went back is still a lost step
+    rec.events = [(t, k, {**e, "discarded": 1} if e["event"] == "resync" else e) for t, k, e in rec.events]
+    assert not no_committed_step_lost(rec)[0]

@@ -34,7 +34,7 @@ def _catch_up(monkeypatch, fetch_error: Exception) -> CatchUp:
 
     view = SwarmView(reports={"QmProvider": ProgressReport(step=50, samples=0, samples_per_second=70.0,
                                                           role=Role.TRAINER, state_hash=HASH, time=0.0)})
-    served = SimpleNamespace(start=nothing, state_hash="0" * 64, gate=None,
+    served = SimpleNamespace(start=nothing, state_hash="0" * 64, gate=None, anchor=None, position=(0, "0" * 64, None),
                              fetcher=SimpleNamespace(fetch=fetch, banned=set(), partials={}))
     return CatchUp(dht=SimpleNamespace(is_alive=lambda: True), spec=SimpleNamespace(run_id="r"),
                    config=SimpleNamespace(report_interval=0.01, state_timeout=0.3), events=None, peer_id="QmMe",

@@ -149,7 +149,7 @@ def test_messages_roundtrip_and_reject_garbage():
 
 
 def test_resync_when_behind_or_outvoted_at_my_step():
-    from swarmrun.protocol.round import should_resync
+    from swarmrun.protocol.history import should_resync
 
     def rep(step, h):
         return ProgressReport(step=step, samples=0, samples_per_second=0.0, role=Role.TRAINER, state_hash=h, time=0.0)
@@ -168,7 +168,7 @@ def test_resync_when_behind_or_outvoted_at_my_step():
 
 def test_progress_report_carries_the_cursor_summary_and_tolerates_its_absence():
     from swarmrun.protocol.codec import pack, unpack
-    from swarmrun.protocol.round import run_accounting
+    from swarmrun.protocol.history import run_accounting
 
     summary = CURSOR.apply(RangeSet.from_items([0, 1])).summary()
     r = ProgressReport(step=4, samples=0, samples_per_second=1.0, role=Role.TRAINER, state_hash="h", time=0.0,
@@ -263,6 +263,114 @@ def test_votes_count_only_from_members_of_the_round():
     assert vote_wait_over(mine=vote(ok=False, group="g1"), votes={}, group=group)
     # a vote for another step under the same key slot is not counted
     assert round_votes({"b": vote(step=256, group="g1")}, group=group, group_id="g1", step=0) == {}
+
+
+def test_the_history_with_the_newest_majority_commit_wins_a_reunion():
+    """Two sides of a split meet again: the side whose history holds the newest majority commit (its anchor) wins,
+    even at an older step; the other re-syncs to it. Without a newer majority commit anywhere, the old rule (the
+    newest step wins) holds, and a peer on the winning history simply behind follows as before."""
+    from swarmrun.protocol.history import best_anchor, outranked, should_resync
+
+    def rep(step, h, anchor):
+        return ProgressReport(step=step, samples=0, samples_per_second=0.0, role=Role.TRAINER, state_hash=h, time=0.0,
+                              anchor=anchor)
+
+    # a 3-peer run split at step 42 (anchor (42, "s42")): a and b went on as a majority (anchor 100), c alone
+    # (minority commits: anchor still 42) reached step 2000
+    reunion = SwarmView(reports={"a": rep(100, "a100", (100, "a100")), "b": rep(100, "a100", (100, "a100")),
+                                 "c": rep(2000, "c2000", (42, "s42"))})
+    assert best_anchor(reunion) == (100, "a100")
+    assert should_resync(reunion, me="c", step=2000, state_hash="c2000", anchor=(42, "s42"))  # the minority re-syncs
+    assert not should_resync(reunion, me="a", step=100, state_hash="a100", anchor=(100, "a100"))  # c is not followed
+    # a peer of the majority one step behind follows its side as before, not the minority far ahead
+    lagging = SwarmView(reports={**reunion.reports, "b": rep(99, "a99", (99, "a99"))})
+    assert should_resync(lagging, me="b", step=99, state_hash="a99", anchor=(99, "a99"))
+    # ... and a peer of the minority behind its own anchor's step is not outranked: it has not passed the split
+    assert not outranked(41, (41, "s41"), (100, "a100")) and outranked(100, (42, "s42"), (100, "a100"))
+    # a 1-1 split (both sides minority commits since 42: the same anchor): the newest step wins, as before
+    even = SwarmView(reports={"a": rep(60, "a60", (42, "s42")), "c": rep(70, "c70", (42, "s42"))})
+    assert should_resync(even, me="a", step=60, state_hash="a60", anchor=(42, "s42"))
+    assert not should_resync(even, me="c", step=70, state_hash="c70", anchor=(42, "s42"))
+    # unknown anchors (a joiner before its first state, an earlier build) keep the old rule both ways
+    assert should_resync(SwarmView(reports={"c": rep(2000, "c", None)}), me="a", step=100, state_hash="a",
+                         anchor=(100, "a100"))
+    assert not outranked(2000, None, (100, "a100"))
+    # two anchors at one step, each carried by one report (majority commits on two histories, e.g. after membership
+    # memory ran out): neither outranks the other, and the rule at a step decides (ties to the smaller hash)
+    tie = SwarmView(reports={"a": rep(50, "a50", (50, "a50")), "c": rep(50, "c50", (50, "c50"))})
+    assert not should_resync(tie, me="a", step=50, state_hash="a50", anchor=(50, "a50"))
+    assert should_resync(tie, me="c", step=50, state_hash="c50", anchor=(50, "c50"))
+
+
+def test_a_peer_discards_its_history_only_on_evidence_from_its_own_ledger():
+    """The reunion rule re-syncs a peer only if its ledger holds another state at the winning anchor's step: an
+    anchor that lagged (a state fetched from a provider whose record was a step old) never makes a peer of the
+    winning history discard it. And one report alone never names the swarm's newest anchor (a liar's)."""
+    from swarmrun.protocol.history import Ledger, best_anchor, should_resync
+
+    def rep(step, h, anchor):
+        return ProgressReport(step=step, samples=0, samples_per_second=0.0, role=Role.TRAINER, state_hash=h, time=0.0,
+                              anchor=anchor)
+
+    majority = {"a": rep(100, "a100", (100, "a100")), "b": rep(100, "a100", (100, "a100"))}
+    minority = Ledger()
+    for step in range(42, 2001):
+        minority.add(step, "s42" if step == 42 else f"c{step}")
+    view = SwarmView(reports={**majority, "c": rep(2000, "c2000", (42, "s42"))})
+    assert should_resync(view, me="c", step=2000, state_hash="c2000", anchor=(42, "s42"), ledger=minority)
+    # the same anchors, but this peer's ledger holds the majority's state at step 100: one history, a lagging anchor
+    same = Ledger()
+    for step in range(90, 106):
+        same.add(step, f"a{step}")
+    assert same.holds((100, "a100")) and same.holds((100, "x")) is False and same.holds((5, "x")) is None
+    lag = SwarmView(reports={**majority, "d": rep(105, "a105", (90, "a90"))})
+    assert not should_resync(lag, me="d", step=105, state_hash="a105", anchor=(90, "a90"), ledger=same)
+    # a lineage adopted after the anchor's step (a fetched state): no evidence, no re-sync
+    fetched = Ledger()
+    fetched.reset(103, "a103")
+    assert not should_resync(lag, me="d", step=103, state_hash="a103", anchor=(90, "a90"), ledger=fetched)
+    # ... unless the ledger dropped that far back: then the anchors alone decide
+    long = Ledger()
+    long.truncated = True
+    long.reset(150, "c150")
+    long.truncated = True
+    assert should_resync(view, me="c", step=150, state_hash="c150", anchor=(42, "s42"), ledger=long)
+    # one report with a newer anchor is not the swarm's newest majority commit: no one discards anything for it
+    liar = SwarmView(reports={**majority, "x": rep(100, "x100", (100, "zzz"))})
+    assert best_anchor(liar) == (100, "a100")
+    assert not should_resync(liar, me="a", step=100, state_hash="a100", anchor=(100, "a100"), ledger=same)
+    assert best_anchor(SwarmView(reports={"x": rep(100, "x", (100, "x"))})) is None
+    assert best_anchor(SwarmView(reports={"x": rep(100, "x", (100, "x"))}), (7, "m")) == (7, "m")
+
+
+def test_a_ledger_keeps_the_newest_steps_of_one_lineage():
+    from swarmrun.protocol import history
+
+    ledger = history.Ledger()
+    assert ledger.newest == -1
+    ledger.reset(10, "h10")
+    for step in range(11, 11 + history.MAX_LEDGER):
+        ledger.add(step, f"h{step}")
+    assert ledger.truncated and len(ledger.hashes) == history.MAX_LEDGER and ledger.holds((10, "h10")) is None
+    assert ledger.newest == 10 + history.MAX_LEDGER and ledger.holds((11, "h11"))
+    ledger.reset(5, "other")
+    assert not ledger.truncated and ledger.hashes == {5: "other"}
+
+
+def test_a_round_advances_the_anchor_only_with_a_majority_of_the_remembered_membership():
+    from swarmrun.protocol.round import majority_round
+
+    def v(members, live=0):
+        return Vote(step=0, group_id="g", grad_hash="x", ok=True, live=live, members=members)
+
+    # a 3-peer run whose third peer vanished without saying it left: 2 of 3 is a majority, 1 of 3 is not
+    assert majority_round({"a": v(3), "b": v(3)}, ["a", "b"])
+    assert not majority_round({"c": v(3)}, ["c"])
+    # the largest count any member remembers decides (one member forgot the vanished peer: the round agrees)
+    assert not majority_round({"a": v(2), "b": v(4)}, ["a", "b"])
+    # a vote of an earlier build (no members) counts its live trainers; alone in a run of one: a majority
+    assert majority_round({"a": v(0, live=2), "b": v(0, live=2)}, ["a", "b"]) and majority_round({"a": v(1)}, ["a"])
+    assert Vote.decode(v(5).encode()).members == 5 and Vote.decode(v(0, live=2).encode()).members == 0
 
 
 def test_claims_keep_the_fullest_subset_that_fits():

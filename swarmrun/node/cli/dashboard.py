@@ -31,7 +31,8 @@ def parse_http(value: str) -> tuple[str, int]:
 async def read_swarm(dht, run_id: str, gate) -> dict:
     """One read of the run's live reports and providers, in the shape ``SwarmWatch.observe`` takes."""
     from swarmrun.node.net.records import read_providers, read_view
-    from swarmrun.protocol.round import SUMMARY_KEYS, run_accounting
+    from swarmrun.protocol.history import run_accounting
+    from swarmrun.protocol.round import SUMMARY_KEYS
 
     await gate.refresh(dht)
     view = await read_view(dht, run_id, gate)

@@ -30,6 +30,9 @@ def add_parsers(sub) -> None:
     j.add_argument("--max-steps", type=int, default=None, help="leave once the run reaches step N")
     j.add_argument("--min-peers", type=int, default=1,
                    help="do not step until this many trainers are live; once they were, go on with fewer but never alone")
+    j.add_argument("--alone-after", type=float, default=60.0, metavar="SECONDS",
+                   help="after other trainers vanished without saying they left (a crash or a partition: the same "
+                        "from here), wait this long before stepping alone (default 60)")
     j.add_argument("--matchmaking-time", type=float, default=2.0, help="seconds to gather a group for a round")
     j.add_argument("--resume-from", default=None, metavar="STORE[@STEP]",
                    help="restart the run from a snapshot (the newest complete one, or STEP); --set may change "
@@ -74,6 +77,8 @@ def run_join(args, events) -> int:
         raise UsageError("--max-steps must be >= 0")
     if args.min_peers < 1:
         raise UsageError("--min-peers must be >= 1")
+    if args.alone_after < 0:
+        raise UsageError("--alone-after must be >= 0")
     if args.matchmaking_time <= 0:
         raise UsageError("--matchmaking-time must be positive")
     sets = parse_sets(args.sets)
@@ -92,7 +97,8 @@ def run_join(args, events) -> int:
         run_id=args.run_id, task=args.task, sets=sets, access=args.access, invite=args.invite, spec=args.spec,
         seed=args.seed if args.seed is not None else DEFAULT_SEED, swarm=swarm_config(args),
         trainer=TrainerConfig(batch_size=args.batch_size, device=args.device, max_steps=args.max_steps,
-                              matchmaking_time=args.matchmaking_time, min_peers=args.min_peers),
+                              matchmaking_time=args.matchmaking_time, min_peers=args.min_peers,
+                              alone_after=args.alone_after),
     )
     run_async(run_peer(opts, events))
     return 0

@@ -7,7 +7,8 @@ import asyncio
 
 from swarmrun.node.cli.common import EXIT_CODES, swarm_args
 from swarmrun.protocol.errors import RunNotFound
-from swarmrun.protocol.round import SUMMARY_KEYS, run_accounting
+from swarmrun.protocol.history import run_accounting
+from swarmrun.protocol.round import SUMMARY_KEYS
 from swarmrun.protocol.spec import check_run_id
 
 

@@ -21,13 +21,14 @@ from swarmrun.node.output import Events
 from swarmrun.node.peer.reporter import Reporter
 from swarmrun.node.peer.served import ServedState
 from swarmrun.node.state.run import FrozenState, RunState
-from swarmrun.node.state.steps import read_step_record
+from swarmrun.node.state.steps import read_step_record, record_anchor
 from swarmrun.protocol.cursor import RangeSet
 from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, Stopped, SwarmrunError
 from swarmrun.protocol.manifest import Manifest
-from swarmrun.protocol.round import preferred_hash, should_resync
+from swarmrun.protocol.history import best_anchor, outranked, preferred_hash, should_resync, trusted_view
+from swarmrun.protocol.round import SwarmView
 from swarmrun.protocol.spec import Spec
-from swarmrun.protocol.transfer import Choice, choose_state, log_sources
+from swarmrun.protocol.transfer import Choice, ProviderRecord, choose_state, log_sources
 
 RECORD_FETCH_TIMEOUT = 30.0  # one step record (a gradient's size) from its providers
 #: a peer left out of a round asks to be planned this many steps past the swarm's newest, twice as many per miss in
@@ -63,10 +64,26 @@ class CatchUp:
         # how many times in a row it was left out
         self.joining: Optional[int] = None
         self._join_until, self._missed_at, self.misses = 0.0, 0.0, 0
+        self._forked = False  # in this catch-up, a step record of the swarm's started from another state at our step
 
     def behind(self) -> bool:
-        step, state_hash = self.served.current  # a pair (a step may be being applied in the worker thread)
-        return should_resync(self.reporter.view, me=self.peer_id, step=step, state_hash=state_hash)
+        best = best_anchor(self.reporter.view, self.served.anchor)
+        if best is not None:
+            self.served.hold_anchor(best)  # an anchor that lagged behind this peer's own history catches up
+        step, state_hash, anchor = self.served.position  # one object (a step may be being applied in the worker thread)
+        return should_resync(self.reporter.view, me=self.peer_id, step=step, state_hash=state_hash, anchor=anchor,
+                             ledger=self.served.ledger)
+
+    def _trusted(self) -> tuple[SwarmView, Callable[[ProviderRecord], bool]]:
+        """The view of the peers this one may follow, and a test of provider records alike: not those of a
+        history outranked by the newest majority commit in view (a split's minority, ``should_resync``)."""
+        best = best_anchor(self.reporter.view, self.served.anchor)
+        return trusted_view(self.reporter.view, best=best), lambda r: not outranked(r.step, r.anchor, best)
+
+    def finished_elsewhere(self) -> bool:
+        """A trainer reports the run finished, on a history not outranked (a split's minority that reached the end
+        alone does not end the majority's run)."""
+        return self._trusted()[0].finished()
 
     def left_out(self) -> Optional[int]:
         """The others committed this peer's step before its round found them: their plan was made before they read
@@ -109,7 +126,8 @@ class CatchUp:
             IncompatibleState: nothing verified could be had before ``deadline``.
         """
         await self.served.start()
-        how = dict(bytes=0, fetched=0, replayed=0, providers=0, banned=0)
+        how = dict(bytes=0, fetched=0, replayed=0, providers=0, banned=0, discarded=0)
+        self._forked = False  # a step record of the swarm's history started from another state at this peer's step
         last_error, corrupt = "no provider announced a state", False
         while time.monotonic() < deadline:
             if self.stop_requested.is_set():
@@ -117,13 +135,16 @@ class CatchUp:
             if not self.dht.is_alive():
                 raise SwarmrunError("hivemind's DHT process died; leaving")
             await self.reporter.refresh()
+            trusted, trust = self._trusted()
             records = {p: r for p, r in (await read_providers(self.dht, self.spec.run_id, self.served.gate)).items()
                        if p != self.peer_id and p not in self.served.fetcher.banned}  # a liar's state is not chosen
-            if not records and not any(p != self.peer_id for p in self.reporter.view.reports):
+            # not a history outranked by the newest majority commit; all of them if none is left (an anchor can lag)
+            records = {p: r for p, r in records.items() if trust(r)} or records
+            if not records and not any(p != self.peer_id for p in trusted.reports):
                 last_error = "no peer of the run answered"  # a DHT read can miss under load: ask again
                 await asyncio.sleep(self.config.report_interval)
                 continue
-            newest = max([r.step for r in records.values()] + [self.reporter.view.newest_step])
+            newest = max([r.step for r in records.values()] + [trusted.newest_step])
             if self.state.step >= newest and not self.behind():
                 how["banned"] = len(self.served.fetcher.banned)  # providers this peer caught lying so far
                 self.served.fetcher.partials.clear()  # caught up: an unfinished download is of a step behind this one
@@ -149,16 +170,22 @@ class CatchUp:
                 last_error, corrupt = str(e), True
                 await asyncio.sleep(self.config.report_interval)
                 continue
-            if self.diverged is not None and self.diverged.step == frozen.step:
-                logger.warning(f"the replayed state of step {frozen.step} differed from the fetched one in: "
-                               f"{', '.join(manifest_differences(self.diverged, frozen.manifest)) or 'nothing?'}")
-            self.diverged = None
-            await asyncio.to_thread(self.state.apply_frozen, frozen, adopt=True)  # a fetched state is ours alone
-            await asyncio.to_thread(self.served.refresh)
-            self.served.drop_records()  # earlier records described another history of this peer
-            self.served.publish()
+            await self._adopt(frozen, records[choice.providers[0]], how)
         error = IncompatibleState if corrupt else CatchUpFailed  # exit 5 only for a state that did not verify
         raise error(f"could not catch up with the swarm within {self.config.state_timeout:.0f}s: {last_error}")
+
+    async def _adopt(self, frozen: FrozenState, provider: ProviderRecord, how: dict) -> None:
+        """Make a fetched state this peer's, with its history's anchor (from its provider's record)."""
+        if self.diverged is not None and self.diverged.step == frozen.step:
+            logger.warning(f"the replayed state of step {frozen.step} differed from the fetched one in: "
+                           f"{', '.join(manifest_differences(self.diverged, frozen.manifest)) or 'nothing?'}")
+        self.diverged = None
+        how["discarded"] += self._discarded(frozen.step)
+        self.served.next_anchor = provider.anchor or "unknown"  # a provider of an earlier build names none
+        await asyncio.to_thread(self.state.apply_frozen, frozen, adopt=True)  # a fetched state is ours alone
+        await asyncio.to_thread(self.served.refresh, True)
+        self.served.drop_records()  # earlier records described another history of this peer
+        self.served.publish()
 
     async def _fetch_state(self, choice: Choice, deadline: float, how: dict) -> FrozenState:
         total = {"done": 0, "t0": time.monotonic(), "last": 0.0}
@@ -199,7 +226,9 @@ class CatchUp:
                 logger.info(f"step record {self.state.step} unavailable: {e}")
                 break
             if before != self.served.state_hash:
+                self._forked = True  # the swarm's history went through another state at this step
                 break  # this peer's state is not the one the record starts from: a whole state is needed
+            self.served.next_anchor = record_anchor(record)  # the anchor after the step (None: keep this one's)
             await asyncio.to_thread(self.replay, grads, applied)
             if self.served.state_hash != after:
                 # e.g. another device's arithmetic: the replay does not give the committers' bits
@@ -216,8 +245,23 @@ class CatchUp:
         return replayed > 0
 
     def _trusted_hashes(self) -> dict[int, str]:
-        steps = {r.step for p, r in self.reporter.view.trainers.items() if p != self.peer_id}
-        return {step: h for step in steps if (h := preferred_hash(self.reporter.view, step=step, me=self.peer_id))}
+        view = self._trusted()[0]
+        steps = {r.step for p, r in view.trainers.items() if p != self.peer_id}
+        return {step: h for step in steps if (h := preferred_hash(view, step=step, me=self.peer_id))}
+
+    def _discarded(self, fetched_step: int) -> int:
+        """Steps of this peer's history a fetched state of ``fetched_step`` replaces (a split's minority re-syncing
+        to the majority's history, or a fork healed at its step), at most: those since its last majority commit
+        (its anchor), which the swarm's history may share. 0 when the fetched state is ahead on this history."""
+        step, _, anchor = self.served.position
+        if step == 0 or (fetched_step > step and not self._forked):
+            return 0
+        base = anchor[0] if anchor is not None and anchor[0] < step else min(fetched_step, step - 1)
+        lost = max(0, step - base)
+        if lost:
+            logger.warning(f"leaving this peer's history at step {step} for the swarm's at step {fetched_step}: "
+                           f"at most {lost} step(s) committed here since its last majority commit are discarded")
+        return lost
 
 
 def manifest_differences(a: Manifest, b: Manifest) -> list[str]:

@@ -269,6 +269,7 @@ async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) 
                     manifest_hash=plan.snapshot.frozen.manifest.manifest_hash(),
                     cursor=state.cursor.summary(), amended=plan.changes)
     if opts.task is not None or opts.spec is not None or plan is not None:
+        trainer.served.anchor_here()  # a new or resumed run's history starts with this state
         return
     view = await read_view(trainer.dht, trainer.spec.run_id, trainer.gate)
     if view.reports or await read_providers(trainer.dht, trainer.spec.run_id, trainer.gate):

@@ -20,6 +20,11 @@ from swarmrun.protocol.transfer import ProviderRecord, providers_key
 
 logger = logging.getLogger("swarmrun.trainer")
 REVOCATIONS_EVERY = 5.0  # seconds between two reads of the owner's revocations (invite-only runs)
+# how long a trainer that vanished without saying it left still counts in the run's membership (``members``): a
+# round must hold a majority of it to advance its history's anchor, so a side of a partition shorter than this
+# cannot win the reunion by having stepped alone. Longer than any partition a reunion should resolve, short enough
+# that peers killed over a run's life (churn, preemption without a leave) do not keep every round a minority
+MEMBERSHIP_MEMORY = 600.0
 
 
 class Reporter:
@@ -38,6 +43,8 @@ class Reporter:
         self.report, self.provider_record, self.on_tick = report, provider_record, on_tick
         self.view = SwarmView(reports={})
         self._seen: dict[str, float] = {}  # trainer -> when this peer last saw it live
+        self._members: dict[str, float] = {}  # the same, kept MEMBERSHIP_MEMORY unless its last report said it left
+        self._waiting_alone = False
         self._published = 0.0  # when the progress report was last stored (monotonic)
         self._announced: tuple = ((), 0.0)  # what the last stored provider record said, and when
 
@@ -94,7 +101,32 @@ class Reporter:
             else:
                 self._seen[peer] = now
         self._seen = {p: t for p, t in self._seen.items() if now - t <= self.config.report_ttl}
+        for peer, r in self.view.trainers.items():
+            if r.left or r.finished:
+                self._members.pop(peer, None)  # it said so: its absence is no partition
+            else:
+                self._members[peer] = now
         return len(self._seen | {self.peer_id: now})
+
+    def members(self) -> int:
+        """The run's membership as this peer remembers it: trainers live now or lately, and those that vanished
+        without saying they left within ``MEMBERSHIP_MEMORY`` (from inside, a crash and a partition look the same),
+        itself included. A round holding a majority of it advances its history's anchor (``majority_round``)."""
+        now = time.monotonic()
+        self._members = {p: t for p, t in self._members.items() if now - t <= MEMBERSHIP_MEMORY}
+        return len(self._members.keys() | {self.peer_id})
+
+    def vanished(self, within: float) -> int:
+        """Trainers that were live within ``within`` seconds, are not now and did not say they left (it warns once
+        per such spell: a peer alone waits for them, ``TrainerConfig.alone_after``)."""
+        now = time.monotonic()
+        gone = [p for p, t in self._members.items()
+                if p != self.peer_id and p not in self.view.trainers and now - t <= within]
+        if gone and not self._waiting_alone:
+            logger.warning(f"{len(gone)} trainer(s) vanished without saying they left: not stepping alone for up "
+                           f"to {within:.0f}s (a partition looks like a crash from here)")
+        self._waiting_alone = bool(gone)
+        return len(gone)
 
     async def serve_laggards(self, stop_requested: asyncio.Event) -> None:
         """Once finished, keep serving the final state (and reporting `finished`) while live trainers are still

@@ -23,8 +23,8 @@ from swarmrun.node.state.run import digest_tensors
 from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.errors import Stopped
 from swarmrun.protocol.records import averager_prefix
-from swarmrun.protocol.round import (ClaimDecision, Role, RoundMeta, Vote, decide_claims, decide_commit, round_votes,
-                                     vote_key, vote_wait_over)
+from swarmrun.protocol.round import (ClaimDecision, Commit, Role, RoundMeta, Vote, decide_claims, decide_commit,
+                                     majority_round, round_votes, vote_key, vote_wait_over)
 from swarmrun.protocol.spec import Spec
 
 VOTE_TTL = 120.0  # seconds a vote stays in the DHT (a round's members read it within vote_timeout)
@@ -79,15 +79,19 @@ class RoundRunner:
     Args:
         subkey: this peer's signed subkey (its vote carries its signature).
         live: how many trainers this peer saw live lately (the commit rule's majority is of those).
-        moved_on: whether the swarm's view shows a trainer past this peer's step (then a group still forming for
-            it never will: the round gives up at once instead of waiting out ``averaging_timeout``).
+        members: the run's membership as this peer remembers it (``Reporter.members``; its vote carries it).
+        moved_on: whether the swarm's view shows a trainer past this peer's step, or no other trainer at all (then a
+            group still forming for it never will: the round gives up at once instead of waiting out
+            ``averaging_timeout``).
         stop_requested: a stop abandons the round in flight at once (nothing is applied).
     """
 
     def __init__(self, *, averager: RoundAverager, dht: DHT, spec: Spec, gate, config, subkey: bytes,
-                 live: Callable[[], int], moved_on: Callable[[], bool], stop_requested: asyncio.Event):
+                 live: Callable[[], int], moved_on: Callable[[], bool], stop_requested: asyncio.Event,
+                 members: Callable[[], int] = lambda: 0):
         self.averager, self.dht, self.spec, self.gate, self.config = averager, dht, spec, gate, config
         self.subkey, self.live, self.moved_on, self.stop_requested = subkey, live, moved_on, stop_requested
+        self.members = members
 
     def load(self, grads: Sequence[torch.Tensor | None], samples: int) -> None:
         """Put this peer's mean gradient (the per-sample sum / samples) in the averager's buffers."""
@@ -135,7 +139,8 @@ class RoundRunner:
                 await asyncio.wait([result], timeout=MOVED_ON_POLL)
                 if (not result.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP and self.moved_on()
                         and control.cancel()):
-                    raise SwarmMovedOn("the swarm committed this step before a group formed")
+                    raise SwarmMovedOn("the swarm committed this step (or no other trainer is live) before a group "
+                                       "formed")
             return result.result()
         finally:
             result.cancel()
@@ -161,7 +166,8 @@ class RoundRunner:
         ok = outcome.complete and finite
         reason = outcome.reason if not outcome.complete else ("" if finite else "averaged gradient is not finite")
         live = max(self.live(), len(outcome.peer_ids))
-        mine = Vote(step=step, group_id=outcome.group_id.hex(), grad_hash=grad_hash, ok=ok, reason=reason, live=live)
+        mine = Vote(step=step, group_id=outcome.group_id.hex(), grad_hash=grad_hash, ok=ok, reason=reason, live=live,
+                    members=max(self.members(), live))
         key = vote_key(self.spec.run_id, step)
         await await_future(self.dht.store(key, subkey=self.subkey, value=mine.encode(),
                                           expiration_time=get_dht_time() + VOTE_TTL, return_future=True))
@@ -175,4 +181,6 @@ class RoundRunner:
             await asyncio.sleep(VOTE_POLL)
         decision = decide_commit(mine=mine, votes=votes, group=outcome.peer_ids, live_trainers=live,
                                  samples=claims.samples, target_batch_size=target, tolerance=tolerance)
+        if isinstance(decision, Commit):
+            decision = Commit(majority=majority_round(votes, outcome.peer_ids))
         return decision, claims

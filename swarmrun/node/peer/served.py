@@ -8,6 +8,7 @@ and the served state share it), so serving never holds the training loop.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Optional
 
 from hivemind import DHT
@@ -17,6 +18,7 @@ from swarmrun.node.net.fetch import Fetcher
 from swarmrun.node.net.serve import StateServer, admit_open
 from swarmrun.node.output import set_log_context
 from swarmrun.node.state.run import FrozenState, RunState
+from swarmrun.protocol.history import Ledger
 from swarmrun.protocol.round import Role
 from swarmrun.protocol.spec import Spec
 from swarmrun.protocol.transfer import ProviderRecord
@@ -41,19 +43,63 @@ class ServedState:
         # and a report read in between from state.step and state_hash paired the new step with the old hash (the
         # links benchmark saw the others count those reports as a majority at the step disagreeing with theirs, and
         # re-sync or leave a forming round for nothing)
-        self.current: tuple[int, str] = (-1, "")
+        # (step, state_hash, anchor): ``current`` and the history's anchor (``ProgressReport.anchor``) replaced as one
+        # object too: a report pairing a new step with the anchor of the one before would look outranked
+        self.position: tuple[int, str, Optional[tuple[int, str]]] = (-1, "", None)
+        # the anchor the next refresh gives the state, set before a step is applied or a state adopted: "here" (the
+        # step itself, committed by a majority round), a tuple (a replayed record's, a fetched provider's), "unknown"
+        # (a fetched state whose provider named none); None keeps the anchor
+        self.next_anchor: object = None
+        self.ledger = Ledger()  # this peer's own history since it adopted its lineage (``should_resync``'s evidence)
+        self._lock = threading.Lock()  # position is replaced by the worker thread (refresh) and the loop (anchors)
         self.record: Optional[FrozenState] = None  # the step record of the last commit, not yet published
         self.server: Optional[StateServer] = None
         self.fetcher: Optional[Fetcher] = None
         self.refresh()
 
-    def refresh(self) -> None:
-        """Freeze the state of the current step (runs in the worker thread; published from the loop)."""
+    def refresh(self, adopted: bool = False) -> None:
+        """Freeze the state of the current step (runs in the worker thread; published from the loop).
+        ``adopted``: the state was fetched (a new lineage: this peer's own history starts again there)."""
         self.frozen = self.state.freeze(chunk_size=self.chunk_size)
         self.state_hash = self.frozen.manifest.state_hash()
         self.manifest_hash = self.frozen.manifest.manifest_hash()  # named by every provider record until the next
-        self.current = (self.frozen.step, self.state_hash)
+        with self._lock:
+            anchor, self.next_anchor = self.next_anchor, None
+            if anchor is None:
+                anchor = self.position[2]
+            elif anchor == "here":
+                anchor = (self.frozen.step, self.state_hash)
+            elif anchor == "unknown":
+                anchor = None
+            self.position = (self.frozen.step, self.state_hash, anchor)
+            if adopted or self.position[0] <= self.ledger.newest:
+                self.ledger.reset(self.frozen.step, self.state_hash)
+            else:
+                self.ledger.add(self.frozen.step, self.state_hash)
         set_log_context(step=self.state.step)
+
+    @property
+    def current(self) -> tuple[int, str]:
+        """(step, state_hash) of the frozen state, as one pair."""
+        return self.position[:2]
+
+    @property
+    def anchor(self) -> Optional[tuple[int, str]]:
+        return self.position[2]
+
+    def anchor_here(self) -> None:
+        """This peer's state starts the run's history here (a created or resumed run): it is its own anchor."""
+        with self._lock:
+            step, state_hash, _ = self.position
+            self.position = (step, state_hash, (step, state_hash))
+
+    def hold_anchor(self, anchor: tuple[int, str]) -> None:
+        """This peer's own history went through ``anchor`` (its ledger holds that state at that step), a newer
+        majority commit than the anchor it carries (a state fetched from a provider whose record lagged): take it."""
+        with self._lock:
+            step, state_hash, mine = self.position
+            if (mine is None or mine < anchor) and anchor[0] <= step and self.ledger.holds(anchor):
+                self.position = (step, state_hash, anchor)
 
     async def start(self) -> None:
         """Serve this peer's state and step records over its p2pd, and fetch through it (idempotent)."""
@@ -88,7 +134,7 @@ class ServedState:
                               state_hash=self.state_hash, total_bytes=self.frozen.manifest.total_bytes,
                               time=get_dht_time(), keeper=role == Role.KEEPER,
                               serving=self.server.sessions, log=self.server.announced_log(),
-                              certificate=self.gate.credentials or b"")
+                              certificate=self.gate.credentials or b"", anchor=self.position[2])
 
     async def stop(self) -> None:
         if self.server is not None and self.dht.is_alive():

@@ -22,6 +22,7 @@ from hivemind import DHT
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from swarmrun.node import faults
 from swarmrun.node.net.swarm import record_validator, signed_subkey
 from swarmrun.node.output import Events
 from swarmrun.node.peer.access import AccessGate
@@ -37,16 +38,8 @@ from swarmrun.protocol.cursor import RangeSet
 from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, RoundsFailed, Stopped, SwarmrunError
 from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE
 from swarmrun.protocol.plan import my_quota, pick_blocks, plan_step, ready_for_round, round_eta, shortfall_taker
-from swarmrun.protocol.round import (
-    Claims,
-    Commit,
-    ProgressReport,
-    Role,
-    RoundMeta,
-    SwarmView,
-    decide_claims,
-    step_target,
-)
+from swarmrun.protocol.round import (Claims, Commit, ProgressReport, Role, RoundMeta, SwarmView, decide_claims,
+                                     step_target)
 from swarmrun.protocol.spec import Spec
 
 logger = logging.getLogger("swarmrun.trainer")
@@ -75,6 +68,8 @@ class TrainerConfig:
     # do not step until this many trainers are live (a demo or test waiting for its peers); once they were, the run
     # goes on with fewer, but never steps alone while fewer than this are live
     min_peers: int = 1
+    # a trainer that saw others vanish without saying they left (a crash or a partition: the same from inside) waits
+    alone_after: float = 60.0  # this long before it steps alone (and those steps hold no anchor: ``protocol.history``)
     finish_linger: float = 45.0  # a finished peer serves trainers still behind at most this long (> a round's wait)
 
 
@@ -124,7 +119,7 @@ class Trainer:
         self._last_commit: Optional[tuple[float, int]] = None  # (when, step) of the last commit
         self.last_loss: Optional[float] = None
         self.failed_rounds = 0
-        self.stats = dict(steps_committed=0, rounds_abandoned=0, resyncs=0)
+        self.stats = dict(steps_committed=0, rounds_abandoned=0, resyncs=0, steps_discarded=0)
         self.commit_hooks: list = []  # hook(frozen) after every committed step, in this loop; must not block
         self.served = ServedState(state=state, spec=spec, dht=dht, gate=self.gate,
                                   chunk_size=int(spec.hparams.get("chunk_size", DEFAULT_CHUNK_SIZE)),
@@ -135,8 +130,9 @@ class Trainer:
                                  on_tick=self._on_tick)
         self.averager = make_averager(self.params, dht, spec=spec, gate=self.gate, config=config)
         self.rounds = RoundRunner(averager=self.averager, dht=dht, spec=spec, gate=self.gate, config=config,
-                                  subkey=subkey, live=self.reporter.recently_live,
-                                  moved_on=lambda: self.catchup.behind(), stop_requested=self.stop_requested)
+                                  subkey=subkey, live=self.reporter.recently_live, members=self.reporter.members,
+                                  moved_on=lambda: self.catchup.behind() or len(self.view.trainers) <= 1,
+                                  stop_requested=self.stop_requested)
         self.catchup = CatchUp(dht=dht, spec=spec, config=config, events=events, peer_id=self.peer_id, state=state,
                                served=self.served, reporter=self.reporter, stop_requested=self.stop_requested,
                                replay=self._optimizer_step,
@@ -166,6 +162,7 @@ class Trainer:
         how = await self.catch_up(deadline=time.monotonic() + self.config.state_timeout)
         self._zero_accumulator()
         self.stats["resyncs"] += 1
+        self.stats["steps_discarded"] += how["discarded"]  # a split's minority re-synced to the majority's history
         self.events.emit("resync", from_step=before, step=self.state.step, state_hash=self.state_hash,
                          seconds=round(time.perf_counter() - t0, 3), **how)
 
@@ -206,7 +203,7 @@ class Trainer:
             if self.stop_requested.is_set():
                 return "stopped"
             raise SwarmrunError("hivemind's DHT or averager process died; leaving")
-        if self.spec.finished(self.state.step, self.state.cursor) or self.view.finished():
+        if self.spec.finished(self.state.step, self.state.cursor) or self.catchup.finished_elsewhere():
             if not self.spec.finished(self.state.step, self.state.cursor):
                 # the others finished while this peer was behind: leave with the run's final state, if a
                 # provider still serves it
@@ -250,7 +247,8 @@ class Trainer:
         """The ``min_peers`` gate: all of them before the first step; after that, at least one other trainer."""
         live = len(self.view.trainers)
         self._met_min_peers = self._met_min_peers or live >= self.config.min_peers
-        return live >= self.config.min_peers or (self._met_min_peers and live >= 2)
+        alone_ok = live >= 2 or not self.reporter.vanished(self.config.alone_after)  # vanished records are no evidence
+        return alone_ok and (live >= self.config.min_peers or (self._met_min_peers and live >= 2))
 
     def _my_quota(self) -> int:
         """This peer's part of the next step (``protocol.plan``); once no free block is left to it, what it has."""
@@ -335,7 +333,8 @@ class Trainer:
         except Stopped:
             raise
         except Exception as e:  # left out by a fast swarm: ask to be planned a step ahead (published below)
-            asks = {"asks_for": self.catchup.left_out()} if isinstance(e, SwarmMovedOn) else {}
+            moved = isinstance(e, SwarmMovedOn) and len(self.view.trainers) > 1  # (not: the others vanished)
+            asks = {"asks_for": self.catchup.left_out()} if moved else {}
             self._abandon(f"no round formed: {type(e).__name__}: {e}", **asks)
             await self.reporter.publish_and_read()
             return
@@ -344,7 +343,7 @@ class Trainer:
             ready = max([m.ready_at for m in outcome.metas if m.ready_at] or [self.ready_at])
             mine = self.work.fields()
             t_apply = time.perf_counter()
-            await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=True)
+            await asyncio.to_thread(self._apply_step, claims.applied, True, result.decision.majority)
             self._agreed = (self.state_hash, {p: m.rate for p, m in zip(outcome.peer_ids, outcome.metas)})
             self._after_commit()
             # where the round's overhead went: the group forming after the last part was computed, the all-reduce,
@@ -390,22 +389,25 @@ class Trainer:
             return
         ready = self.ready_at or get_dht_time()
         mine = self.work.fields()
-        await asyncio.to_thread(self._apply_step, claims.applied, from_buffers=False)
+        # with vanished trainers remembered (crashed or cut off: the same from inside) a minority commit (no anchor)
+        await asyncio.to_thread(self._apply_step, claims.applied, False, self.reporter.members() <= 1)
         self._after_commit()
         self.events.emit("step", **self._step_fields(group=1, round_s=0.0, samples=claims.samples,
                                                       blocks=claims.applied.to_list(),
                                                       round_overhead_s=round(max(0.0, get_dht_time() - ready), 3),
                                                       compute_s=self._compute_taken(), **mine))
 
-    def _apply_step(self, applied: RangeSet, *, from_buffers: bool) -> None:
-        """The committed step: the optimizer on the (identical) averaged gradient, then cursor and step advance."""
+    def _apply_step(self, applied: RangeSet, from_buffers: bool, majority: bool) -> None:
+        """The committed step: the optimizer on the (identical) averaged gradient, then cursor and step advance.
+        ``majority``: the round held a majority of the run's membership (the step becomes the history's anchor)."""
         if from_buffers:
             with self.averager.get_tensors() as buffers:
                 grads = [buf.to(p.device, dtype=p.dtype, copy=True) for p, buf in zip(self.params, buffers)]
         else:
             tensors, divisor = self.work.update(self.samples)
             grads = [None if g is None else g.div_(max(1, divisor)) for g in tensors]
-        before, self._applying = self.state_hash, True
+        before, self._applying, self.served.next_anchor = self.state_hash, True, "here" if majority else None
+        time.sleep(faults.delay_seconds("apply"))  # 0 unless a test plans a slow step
         self._optimizer_step(grads, applied)
         self._zero_accumulator()
         self._applying = False
@@ -414,7 +416,7 @@ class Trainer:
         self.served.record = make_step_record(spec_hash=self.spec.spec_hash(), step=self.state.step - 1, grads=grads,
                                         applied=applied, data_epoch=self.state.cursor.data_epoch,
                                         state_hash_before=before, state_hash_after=self.state_hash,
-                                        chunk_size=self.served.chunk_size)
+                                        chunk_size=self.served.chunk_size, anchor=self.served.anchor)
         every = int(self.spec.hparams.get("eval_every", 0))
         if every and self.state.step % every == 0 or self.spec.finished(self.state.step, self.state.cursor):
             loss = self.task.evaluate(self.state.model, self.device)
@@ -473,7 +475,7 @@ class Trainer:
         left = self.stop_requested.is_set() or (
             self.config.max_steps is not None and self.state.step >= self.config.max_steps)
         leaving = self.finished or left
-        step, state_hash = self.served.current  # a pair: not the next step with this one's hash
+        step, state_hash, anchor = self.served.position  # one object: not the next step with this one's hash
         held = not (leaving or self._applying)  # mid-apply the accumulator is the last step's: nothing for this one
         return ProgressReport(step=step, samples=self.samples if held else 0, role=self.config.role,
                               samples_per_second=self.samples_per_second, state_hash=state_hash, time=get_dht_time(),
@@ -481,7 +483,8 @@ class Trainer:
                               certificate=self.gate.credentials or b"", data_epoch=self.state.cursor.data_epoch,
                               claimed=self.claims.lease() if held else RangeSet(),
                               cursor=self.state.cursor.summary(), snapshots=self.snapshots,
-                              left=left, quota=self.quota if held else None, joining=self.catchup.joining)
+                              left=left, quota=self.quota if held else None, joining=self.catchup.joining,
+                              anchor=anchor)
 
     def _on_tick(self) -> None:
         if self.state.step > 0:

@@ -12,9 +12,11 @@ from swarmrun.node.state.run import DTYPES, FrozenState, tensor_bytes
 
 
 def make_step_record(*, spec_hash: str, step: int, grads: Sequence[Optional[torch.Tensor]], applied: RangeSet,
-                     data_epoch: int, state_hash_before: str, state_hash_after: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> FrozenState:
+                     data_epoch: int, state_hash_before: str, state_hash_after: str, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                     anchor: Optional[tuple[int, str]] = None) -> FrozenState:
     """The committed step ``step -> step + 1`` as a transferable object: the gradients the optimizer was given
-    (after averaging, before clipping; None where a parameter had none) and the blocks it applied."""
+    (after averaging, before clipping; None where a parameter had none) and the blocks it applied, and the history's
+    anchor after the step (``ProgressReport.anchor``: a peer that replays the step takes it on)."""
     present = [i for i, g in enumerate(grads) if g is not None]
     raws = [tensor_bytes(grads[i].detach().cpu()) for i in present]
     data = bytearray(sum(r.nbytes for r in raws))
@@ -27,8 +29,17 @@ def make_step_record(*, spec_hash: str, step: int, grads: Sequence[Optional[torc
     manifest = build_manifest(spec_hash=spec_hash, step=step, tensors=described, chunk_size=chunk_size,
                               content={"kind": "step_record", "applied": applied.to_list(), "data_epoch": data_epoch,
                                        "params": len(grads), "state_hash_before": state_hash_before,
-                                       "state_hash_after": state_hash_after})
+                                       "state_hash_after": state_hash_after,
+                                       **({"anchor": list(anchor)} if anchor is not None else {})})
     return FrozenState(manifest=manifest, data=view.toreadonly())
+
+
+def record_anchor(record: FrozenState) -> Optional[tuple[int, str]]:
+    """The history's anchor after a step record's step; None from a record without one (an earlier build)."""
+    value = record.manifest.content.get("anchor")
+    if isinstance(value, list) and len(value) == 2 and isinstance(value[0], int) and isinstance(value[1], str):
+        return value[0], value[1]
+    return None
 
 
 def read_step_record(record: FrozenState) -> tuple[list[Optional[torch.Tensor]], RangeSet, str, str]:

@@ -1,0 +1,45 @@
+"""The run's membership as a peer remembers it (``Reporter.members``/``vanished``): what the split rules count."""
+
+import time
+
+from swarmrun.node.peer import reporter as reporter_mod
+from swarmrun.node.peer.reporter import Reporter
+from swarmrun.node.peer.trainer import TrainerConfig
+from swarmrun.protocol.round import ProgressReport, Role, SwarmView
+
+
+def rep(step=3, *, left=False, finished=False, role=Role.TRAINER):
+    return ProgressReport(step=step, samples=0, samples_per_second=1.0, role=role, state_hash="h", time=0.0,
+                          left=left, finished=finished)
+
+
+def make(view: dict) -> Reporter:
+    r = Reporter(dht=None, spec=None, gate=None, config=TrainerConfig(), peer_id="me", subkey=b"",
+                 report=lambda: rep(), provider_record=lambda: None, on_tick=lambda: None)
+    r.view = SwarmView(reports={"me": rep(), **view})
+    r.recently_live()
+    return r
+
+
+def test_a_trainer_that_vanished_is_remembered_one_that_left_is_not():
+    r = make({"a": rep(), "b": rep(), "k": rep(role=Role.KEEPER)})
+    assert r.members() == 3 and r.vanished(60.0) == 0  # a keeper is no trainer
+    r.view = SwarmView(reports={"me": rep(), "b": rep(left=True)})  # a vanished (crash or partition), b said it left
+    r.recently_live()
+    assert r.members() == 2 and r.vanished(60.0) == 1
+    r.view = SwarmView(reports={"me": rep()})
+    r.recently_live()
+    assert r.members() == 2 and r.vanished(60.0) == 1  # b's last report said it left: never counted again
+
+
+def test_vanished_trainers_are_forgotten_after_the_window(monkeypatch):
+    r = make({"a": rep(), "f": rep()})
+    r.view = SwarmView(reports={"me": rep(), "f": rep(finished=True)})
+    r.recently_live()
+    assert r.vanished(60.0) == 1
+    later = time.monotonic() + 61.0
+    monkeypatch.setattr(reporter_mod.time, "monotonic", lambda: later)
+    assert r.vanished(60.0) == 0  # gone longer than alone_after: this peer may step alone
+    assert r.members() == 2  # ... but its steps alone are not a majority of the membership until it forgets a
+    later += reporter_mod.MEMBERSHIP_MEMORY
+    assert r.members() == 1
