@@ -165,6 +165,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         async for message in super()._generate_input_for_peer(peer_index):
             self.sent_bytes += message.ByteSize()
             yield message
+            # a planned kill also fires once a part was sent: a peer that reduces no part of its own (hivemind gives
+            # a small tensor to fewer reducers, in a random order) must die mid all-reduce too (CI saw one survive)
+            faults.fire("allreduce", self.round_step)
 
     @staticmethod
     def _decode(message: averaging_pb2.AveragingData) -> tuple[tuple, Optional[torch.Tensor]]:
