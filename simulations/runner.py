@@ -68,8 +68,6 @@ class Simulation:
         self.state_root = Path(tempfile.mkdtemp(prefix="swarmrun-sim-"))
         self.store = self.state_root / "snapshots"
         self.run_id = f"sim-{trace.name}-{os.getpid()}"[:64]
-        if trace.faults:
-            os.environ["SWARMRUN_FAULTS"] = trace.faults  # the peers this runner starts inherit it
         self.sink: queue.Queue = queue.Queue()
         self.procs: dict[str, PeerProcess] = {}  # key (name.k) -> process
         self.current: dict[str, str] = {}  # peer name -> key of its latest incarnation
@@ -132,8 +130,6 @@ class Simulation:
             args += ["--peers", *peers]
         args += ["--state-dir", str(self.state_root / name), "--device", "cpu", "--batch-size", str(tr.batch_size),
                  "--matchmaking-time", str(tr.matchmaking_time), "--min-peers", str(tr.min_peers)]
-        if tr.alone_after is not None:
-            args += ["--alone-after", str(tr.alone_after)]
         prefix, listen = self.links.attach(name, index)
         args += listen
         if any(e.kind == "pause" for e in self.events):

@@ -87,8 +87,6 @@ class Trace:
     min_peers: int = 1
     batch_size: int = 16
     matchmaking_time: float = 1.0
-    alone_after: Optional[float] = None  # the peers' --alone-after (None: their default)
-    faults: str = ""  # SWARMRUN_FAULTS for every peer (``swarmrun.node.faults``): timing a trace forces, by data
     duration: float = 300.0  # the runner stops the run after this many seconds whatever happens
     links: bool = False
     link_rate: Optional[str] = None  # every peer's link, when links is true (None: unshaped veth)
@@ -155,17 +153,9 @@ def parse_trace(data: Any, *, default_name: str = "trace") -> Trace:
         if key in data:
             kw[key] = _int(data[key], key, lo=lo)
     for key, lo in (("matchmaking_time", 0.1), ("duration", 1.0), ("leave_timeout", 1.0),
-                    ("loss_tolerance", 0.0), ("loss_abs_tolerance", 0.0), ("latency_ms", 0.0), ("alone_after", 0.0)):
+                    ("loss_tolerance", 0.0), ("loss_abs_tolerance", 0.0), ("latency_ms", 0.0)):
         if key in data:
             kw[key] = _num(data[key], key, lo=lo)
-    if "faults" in data:
-        from swarmrun.node.faults import parse_faults
-
-        try:
-            parse_faults(_str(data["faults"], "faults"))
-        except ValueError as e:
-            raise TraceError(f"faults: {e}") from None
-        kw["faults"] = data["faults"]
     if "links" in data:
         if not isinstance(data["links"], bool):
             raise TraceError("links: true or false")

@@ -10,8 +10,6 @@
   that state (bounded by the chunk timeout): the swarm moves on while the state travels, by construction;
 - ``delay@report:ms=N``: each progress report this peer stores reaches the DHT N ms after it was written (a peer
   whose reports travel slowly: the others plan steps before they read it);
-- ``delay@apply:ms=N``: each committed step (with a round or alone) is applied N ms later (a slow step: a peer
-  alone must not outrun what a test needs it to do, e.g. reach the run's end during a split);
 - ``corrupt@serve:step=N``: a provider flips a byte of every chunk it serves of an object at a step >= N (a
   lying provider).
 
@@ -27,7 +25,7 @@ from typing import Optional
 
 ENV = "SWARMRUN_FAULTS"
 _KINDS = {("kill", "allreduce", "step"), ("delay", "serve", "ms"), ("delay", "report", "ms"),
-          ("delay", "apply", "ms"), ("corrupt", "serve", "step"), ("hold", "serve", "steps")}
+          ("corrupt", "serve", "step"), ("hold", "serve", "steps")}
 
 
 @dataclass(frozen=True)

@@ -170,3 +170,34 @@ def test_the_longest_published_history_that_verifies_is_taken(tmp_path):
     assert choose_history([], spec2) == ()
     with pytest.raises(IncompatibleState):
         choose_history([forged, good[:1]], spec2)  # good[:1] ends at spec1, not at the run's spec
+
+
+async def test_a_peer_behind_at_the_pause_step_catches_up_before_it_stops(monkeypatch):
+    """A round in flight when the pause came committed one more step without a peer that was behind (CI saw it leave
+    a step short of the others): at the pause step it steps no further (``holding``), catches up, then stops. A peer
+    that cannot catch up stops after PAUSE_CATCH_UP anyway."""
+    import asyncio
+
+    from swarmrun.node.peer import snapshots
+    from swarmrun.node.peer.snapshots import SnapshotSide
+    from swarmrun.protocol.snapshot import PauseRecord
+
+    swarm_step = {"newest": 81}
+    state = SimpleNamespace(step=80)
+    trainer = SimpleNamespace(state=state, spec=SimpleNamespace(run_id="w"), holding=0.0, stop_requested=asyncio.Event(),
+                              config=SimpleNamespace(report_interval=0.01),
+                              catchup=SimpleNamespace(behind=lambda: state.step < swarm_step["newest"]))
+    side = SnapshotSide(trainer=trainer, signed=None, history=(), events=None)
+    side.pause = PauseRecord(run_id="w", spec_hash="0" * 64, at_step=80, time=0.0)
+    watch = asyncio.ensure_future(side._watch_pause())
+    await asyncio.sleep(0.1)
+    assert trainer.holding and not trainer.stop_requested.is_set()  # held at 80: no step of its own, only catch-up
+    state.step = 81  # the trainer's loop re-synced to the step the others stopped at
+    await asyncio.wait_for(watch, 1.0)
+    assert trainer.stop_requested.is_set() and state.step == 81
+
+    monkeypatch.setattr(snapshots, "PAUSE_CATCH_UP", 0.05)
+    swarm_step["newest"], trainer.holding = 90, 0.0
+    trainer.stop_requested.clear()
+    await asyncio.wait_for(side._watch_pause(), 1.0)  # no provider answers: it stops where it is, bounded
+    assert trainer.stop_requested.is_set() and state.step == 81

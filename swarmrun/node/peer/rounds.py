@@ -34,7 +34,12 @@ AVERAGER_SHUTDOWN_TIMEOUT = 3.0  # hivemind's averager process, at the peer's le
 
 
 class SwarmMovedOn(Exception):
-    """The others committed this step while this peer was still looking for a group: no group can form for it."""
+    """No group can form for this round: the others committed its step while this peer was still looking for one
+    (``passed``), or no other trainer is left in the view (a crash or a partition)."""
+
+    def __init__(self, reason: str, *, passed: bool = True):
+        super().__init__(reason)
+        self.passed = passed
 
 
 @dataclass(frozen=True)
@@ -80,18 +85,18 @@ class RoundRunner:
         subkey: this peer's signed subkey (its vote carries its signature).
         live: how many trainers this peer saw live lately (the commit rule's majority is of those).
         members: the run's membership as this peer remembers it (``Reporter.members``; its vote carries it).
-        moved_on: whether the swarm's view shows a trainer past this peer's step, or no other trainer at all (then a
-            group still forming for it never will: the round gives up at once instead of waiting out
-            ``averaging_timeout``).
+        moved_on: whether the swarm's view shows a trainer past this peer's step (then a group still forming for
+            it never will: the round gives up at once instead of waiting out ``averaging_timeout``).
+        alone: whether no other trainer is in the rounds of its step (the round gives up at once too).
         stop_requested: a stop abandons the round in flight at once (nothing is applied).
     """
 
     def __init__(self, *, averager: RoundAverager, dht: DHT, spec: Spec, gate, config, subkey: bytes,
                  live: Callable[[], int], moved_on: Callable[[], bool], stop_requested: asyncio.Event,
-                 members: Callable[[], int] = lambda: 0):
+                 members: Callable[[], int] = lambda: 0, alone: Callable[[], bool] = lambda: False):
         self.averager, self.dht, self.spec, self.gate, self.config = averager, dht, spec, gate, config
         self.subkey, self.live, self.moved_on, self.stop_requested = subkey, live, moved_on, stop_requested
-        self.members = members
+        self.members, self.alone = members, alone
 
     def load(self, grads: Sequence[torch.Tensor | None], samples: int) -> None:
         """Put this peer's mean gradient (the per-sample sum / samples) in the averager's buffers."""
@@ -132,15 +137,18 @@ class RoundRunner:
 
     async def _outcome(self, control, eta: float = 0.0) -> RoundOutcome:
         """The averager's outcome; a round still looking for a group is cancelled once the swarm moved past its
-        step (only while matchmaking: a formed group's all-reduce is never left half-way by this peer)."""
+        step, or no other trainer is left in the view (only while matchmaking: a formed group's all-reduce is never
+        left half-way by this peer)."""
         result = asyncio.ensure_future(await_future(control, self.config.averaging_timeout + eta + 5))
         try:
             while not result.done():
                 await asyncio.wait([result], timeout=MOVED_ON_POLL)
-                if (not result.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP and self.moved_on()
-                        and control.cancel()):
-                    raise SwarmMovedOn("the swarm committed this step (or no other trainer is live) before a group "
-                                       "formed")
+                if result.done() or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+                    continue
+                if self.moved_on() and control.cancel():
+                    raise SwarmMovedOn("the swarm committed this step before a group formed")
+                if self.alone() and control.cancel():  # no other trainer left to form a group with
+                    raise SwarmMovedOn("no other trainer is live", passed=False)
             return result.result()
         finally:
             result.cancel()

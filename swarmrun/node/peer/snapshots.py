@@ -18,24 +18,9 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from swarmrun.protocol.codec import pack
 from swarmrun.protocol.errors import AccessRefused, IncompatibleState, ProtocolError, SwarmrunError, UsageError
-from swarmrun.protocol.snapshot import (
-    Amendment,
-    FailureWatch,
-    PauseNote,
-    PauseRecord,
-    PauseTurn,
-    SnapshotPolicy,
-    amend_changes,
-    decide_pause_turn,
-    decide_snapshot,
-    elect_writer,
-    history_key,
-    parse_every,
-    pause_key,
-    paused_key,
-    trainer_notes,
-    writer_candidates,
-)
+from swarmrun.protocol.snapshot import (Amendment, FailureWatch, PauseNote, PauseRecord, PauseTurn, SnapshotPolicy,
+                                        amend_changes, decide_pause_turn, decide_snapshot, elect_writer, history_key,
+                                        parse_every, pause_key, paused_key, trainer_notes, writer_candidates)
 from swarmrun.protocol.spec import SignedSpec, Spec, amend
 from swarmrun.node.state.store import Snapshot, SnapshotStore, WriteResult, open_ref
 from swarmrun.node.state.run import FrozenState, RunState
@@ -47,6 +32,7 @@ PAUSE_TAKEOVER = 30.0  # seconds a paused peer waits for each writer ahead of it
 HISTORY_TIMEOUT = 5.0  # a joined peer's read of an amended run's history, before it writes a snapshot
 FRESH_VIEW_TIMEOUT = 3.0  # a leaving peer's last read of the run's reports (its DHT may be leaving too)
 PAUSE_GIVE_UP = 600.0  # a paused peer whose every write failed leaves after this long without any snapshot
+PAUSE_CATCH_UP = 20.0  # a peer the swarm is ahead of at the pause step catches up this long at most before it stops
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -338,10 +324,13 @@ class SnapshotSide:
         while True:
             if self.pause is None:
                 self.pause = await self._read_pause(key)
-            # a peer already at (or past) the pause step, or that got there by a re-sync, stops now
+            # a peer at (or past) the pause step stops now. One the swarm is ahead of (a round in flight when the pause
+            # came committed a step without it: CI saw it leave a step behind the others) steps no further, catches up
             if self.pause is not None and t.state.step >= self.pause.at_step:
-                t.stop_requested.set()
-                return
+                t.holding = t.holding or time.monotonic()
+                if not t.catchup.behind() or time.monotonic() - t.holding > PAUSE_CATCH_UP:
+                    t.stop_requested.set()
+                    return
             await asyncio.sleep(t.config.report_interval)
 
     async def _read_pause(self, key: str) -> Optional[PauseRecord]:

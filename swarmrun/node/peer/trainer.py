@@ -22,7 +22,6 @@ from hivemind import DHT
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarmrun.node import faults
 from swarmrun.node.net.swarm import record_validator, signed_subkey
 from swarmrun.node.output import Events
 from swarmrun.node.peer.access import AccessGate
@@ -111,14 +110,13 @@ class Trainer:
         self._met_min_peers = False
         # set by a signal (even one that came before the trainer existed), a pause, or the library's caller
         self.stop_requested = stop_requested if stop_requested is not None else asyncio.Event()
-        self.finished = False
+        self.finished, self.samples_per_second = False, 0.0
         self.snapshots = False  # this peer has a snapshot store (set by its SnapshotSide; reported to the others)
-        self.samples_per_second = 0.0
         self.compute_seconds = 0.0  # wall time in the task's forward/backward since the last step event (its compute_s)
         self.step_seconds: Optional[float] = None  # mean wall time of a committed step (EMA), for the ETA
         self._last_commit: Optional[tuple[float, int]] = None  # (when, step) of the last commit
         self.last_loss: Optional[float] = None
-        self.failed_rounds = 0
+        self.failed_rounds, self.holding = 0, 0.0  # holding: since when a pause holds this peer (it only catches up)
         self.stats = dict(steps_committed=0, rounds_abandoned=0, resyncs=0, steps_discarded=0)
         self.commit_hooks: list = []  # hook(frozen) after every committed step, in this loop; must not block
         self.served = ServedState(state=state, spec=spec, dht=dht, gate=self.gate,
@@ -131,12 +129,11 @@ class Trainer:
         self.averager = make_averager(self.params, dht, spec=spec, gate=self.gate, config=config)
         self.rounds = RoundRunner(averager=self.averager, dht=dht, spec=spec, gate=self.gate, config=config,
                                   subkey=subkey, live=self.reporter.recently_live, members=self.reporter.members,
-                                  moved_on=lambda: self.catchup.behind() or len(self.view.trainers) <= 1,
-                                  stop_requested=self.stop_requested)
+                                  moved_on=lambda: self.catchup.behind(), stop_requested=self.stop_requested,
+                                  alone=lambda: self._alone())
         self.catchup = CatchUp(dht=dht, spec=spec, config=config, events=events, peer_id=self.peer_id, state=state,
                                served=self.served, reporter=self.reporter, stop_requested=self.stop_requested,
-                               replay=self._optimizer_step,
-                               record_bytes=sum(p.numel() * p.element_size() for p in self.params))
+                               replay=self._optimizer_step, record_bytes=sum(p.numel() * p.element_size() for p in self.params))
 
     @property
     def view(self) -> SwarmView:
@@ -248,7 +245,12 @@ class Trainer:
         live = len(self.view.trainers)
         self._met_min_peers = self._met_min_peers or live >= self.config.min_peers
         alone_ok = live >= 2 or not self.reporter.vanished(self.config.alone_after)  # vanished records are no evidence
-        return alone_ok and (live >= self.config.min_peers or (self._met_min_peers and live >= 2))
+        met = live >= self.config.min_peers or (self._met_min_peers and live >= 2)
+        return met and alone_ok and not self.holding
+
+    def _alone(self) -> bool:
+        """No other trainer is in the rounds of its step (none live, or the only others wait for a later step)."""
+        return not (self.view.stepping.keys() - {self.peer_id})
 
     def _my_quota(self) -> int:
         """This peer's part of the next step (``protocol.plan``); once no free block is left to it, what it has."""
@@ -315,7 +317,7 @@ class Trainer:
         refused or left out its claim: those blocks are computed again)."""
         if not self.ready_at:
             self.ready_at = get_dht_time()
-        if len(self.view.trainers) <= 1 and self.samples >= self._target():
+        if self._alone() and self.samples >= self._target():
             await self._commit_alone()
             return
         update = self.work.update(self.samples)
@@ -333,7 +335,7 @@ class Trainer:
         except Stopped:
             raise
         except Exception as e:  # left out by a fast swarm: ask to be planned a step ahead (published below)
-            moved = isinstance(e, SwarmMovedOn) and len(self.view.trainers) > 1  # (not: the others vanished)
+            moved = isinstance(e, SwarmMovedOn) and e.passed  # (not: the others vanished)
             asks = {"asks_for": self.catchup.left_out()} if moved else {}
             self._abandon(f"no round formed: {type(e).__name__}: {e}", **asks)
             await self.reporter.publish_and_read()
@@ -407,7 +409,6 @@ class Trainer:
             tensors, divisor = self.work.update(self.samples)
             grads = [None if g is None else g.div_(max(1, divisor)) for g in tensors]
         before, self._applying, self.served.next_anchor = self.state_hash, True, "here" if majority else None
-        time.sleep(faults.delay_seconds("apply"))  # 0 unless a test plans a slow step
         self._optimizer_step(grads, applied)
         self._zero_accumulator()
         self._applying = False
