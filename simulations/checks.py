@@ -46,7 +46,6 @@ class Record:
     end: float = 0.0
     proxies: dict = field(default_factory=dict)  # traces with latency: the delay proxies' counters and audit
     link_bytes: dict = field(default_factory=dict)  # traces with links: bytes each peer's namespace sent, at the end
-    _gone: tuple = field(default=(None, set()), repr=False)  # (events seen, discarded indices): ``discarded``'s cache
 
     def of(self, *kinds: str):
         """The events of these kinds, without those of a history its peer later discarded (``discarded``)."""
@@ -56,17 +55,16 @@ class Record:
     def discarded(self) -> set[int]:
         """Indices of events a peer printed on a history it discarded later: a split's minority re-synced to the
         majority's history and said how many of its steps it gave up (``resync``'s ``discarded``, at most the steps
-        since its last majority commit); its events at those steps, printed before the re-sync, are not the run's."""
-        if self._gone[0] != (id(self.events), len(self.events)):
-            gone: set[int] = set()
-            for j, (_, key, e) in enumerate(self.events):
-                lost, top = e.get("discarded") or 0, e.get("from_step")
-                if e.get("event") != "resync" or not lost or top is None:
-                    continue
-                gone |= {i for i, (_, k, x) in enumerate(self.events[:j])
-                         if k == key and isinstance(x.get("step"), int) and top - lost < x["step"] <= top}
-            self._gone = ((id(self.events), len(self.events)), gone)
-        return self._gone[1]
+        since its last majority commit); its ``step`` and ``eval`` events at those steps, printed before the re-sync,
+        are not the run's."""
+        gone: set[int] = set()
+        for j, (_, key, e) in enumerate(self.events):
+            lost, top = e.get("discarded") or 0, e.get("from_step")
+            if e.get("event") != "resync" or not lost or top is None:
+                continue
+            gone |= {i for i, (_, k, x) in enumerate(self.events[:j]) if k == key and x.get("event") in ("step", "eval")
+                     and isinstance(x.get("step"), int) and top - lost < x["step"] <= top}
+        return gone
 
 
 def _holders(rec: Record) -> dict[tuple[int, str], list[tuple[float, str]]]:

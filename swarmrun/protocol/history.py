@@ -99,7 +99,7 @@ def trusted_view(view: SwarmView, *, best: Optional[Anchor]) -> SwarmView:
 
 
 def should_resync(view: SwarmView, *, me: str, step: int, state_hash: str, anchor: Optional[Anchor] = None,
-                  ledger: Optional[Ledger] = None) -> bool:
+                  ledger: Optional[Ledger] = None, own: bool = True) -> bool:
     """Whether this peer must fetch the swarm's state.
 
     The reunion rule of a split (two sides that each committed steps while they could not see each other): the
@@ -108,7 +108,7 @@ def should_resync(view: SwarmView, *, me: str, step: int, state_hash: str, ancho
     a trainer of a history that is not outranked is ahead of it, or at its step those trainers disagree with its
     state and outnumber those that agree (ties go to the smaller hash), which heals a split that a lost view of the
     swarm could cause."""
-    best = best_anchor(view, anchor)
+    best = best_anchor(view, anchor) if own else best_anchor(view)  # own=False: its anchor is one report of view's
     if outranked_here(step, anchor, best, ledger):
         return True
     others = {p: r for p, r in trusted_view(view, best=best).trainers.items() if p != me}

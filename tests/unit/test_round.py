@@ -380,3 +380,19 @@ def test_claims_keep_the_fullest_subset_that_fits():
     # a peer that computed a whole target alone (waiting for --min-peers) next to two smaller parts: one part of 64
     d = decide_claims([meta([0, 1, 2]), meta([3, 4, 5, 6, 7, 8, 9, 10]), meta([11])], CURSOR, target=64)
     assert d.samples == 64 and d.excess == (0, 2)
+
+
+def test_a_reunion_of_two_peers_is_decided_by_the_newest_step():
+    """One peer per side (the other of the majority crashed meanwhile): neither anchor is carried by two reports, so
+    neither side excludes the other and the rule at a step decides (the newest step wins). With a peer's own anchor
+    counted as a second voice, both sides ignored each other and failed their rounds forever (review of f6633d6)."""
+    from swarmrun.protocol.history import should_resync
+
+    def rep(step, h, anchor):
+        return ProgressReport(step=step, samples=0, samples_per_second=0.0, role=Role.TRAINER, state_hash=h, time=0.0,
+                              anchor=anchor)
+
+    view = SwarmView(reports={"p0": rep(30, "m30", (20, "m20")), "p2": rep(40, "s40", (8, "s8"))})
+    assert should_resync(view, me="p0", step=30, state_hash="m30", anchor=(20, "m20"), own=False)
+    assert not should_resync(view, me="p2", step=40, state_hash="s40", anchor=(8, "s8"), own=False)
+    assert not should_resync(view, me="p0", step=30, state_hash="m30", anchor=(20, "m20"))  # own=True: the deadlock

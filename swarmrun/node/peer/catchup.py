@@ -67,17 +67,18 @@ class CatchUp:
         self._forked = False  # in this catch-up, a step record of the swarm's started from another state at our step
 
     def behind(self) -> bool:
-        best = best_anchor(self.reporter.view, self.served.anchor)
+        best = best_anchor(self.reporter.view)  # its own report counts once: two reports must carry an anchor
         if best is not None:
             self.served.hold_anchor(best)  # an anchor that lagged behind this peer's own history catches up
         step, state_hash, anchor = self.served.position  # one object (a step may be being applied in the worker thread)
         return should_resync(self.reporter.view, me=self.peer_id, step=step, state_hash=state_hash, anchor=anchor,
-                             ledger=self.served.ledger)
+                             ledger=self.served.ledger, own=False)
 
     def _trusted(self) -> tuple[SwarmView, Callable[[ProviderRecord], bool]]:
         """The view of the peers this one may follow, and a test of provider records alike: not those of a
-        history outranked by the newest majority commit in view (a split's minority, ``should_resync``)."""
-        best = best_anchor(self.reporter.view, self.served.anchor)
+        history outranked by the newest majority commit in view (a split's minority, ``should_resync``). This peer's
+        own anchor counts as one report: alone it excludes no one (a 1-1 reunion would wait forever on both sides)."""
+        best = best_anchor(self.reporter.view)
         return trusted_view(self.reporter.view, best=best), lambda r: not outranked(r.step, r.anchor, best)
 
     def finished_elsewhere(self) -> bool:
@@ -180,7 +181,9 @@ class CatchUp:
             logger.warning(f"the replayed state of step {frozen.step} differed from the fetched one in: "
                            f"{', '.join(manifest_differences(self.diverged, frozen.manifest)) or 'nothing?'}")
         self.diverged = None
+        self._forked |= self.served.ledger.holds(provider.anchor) is False if provider.anchor else False
         how["discarded"] += self._discarded(frozen.step)
+        self._forked = False  # the adopted state is the swarm's history: a later fetch discards none of it
         self.served.next_anchor = provider.anchor or "unknown"  # a provider of an earlier build names none
         await asyncio.to_thread(self.state.apply_frozen, frozen, adopt=True)  # a fetched state is ours alone
         await asyncio.to_thread(self.served.refresh, True)

@@ -158,4 +158,4 @@ class Reporter:
 
 def _says(record: ProviderRecord) -> tuple:
     """What a provider record tells a joiner (its time aside)."""
-    return record.manifest_hash, record.serving, tuple(sorted(record.log.items()))
+    return record.manifest_hash, record.serving, tuple(sorted(record.log.items())), record.anchor

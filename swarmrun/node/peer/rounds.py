@@ -87,7 +87,7 @@ class RoundRunner:
         members: the run's membership as this peer remembers it (``Reporter.members``; its vote carries it).
         moved_on: whether the swarm's view shows a trainer past this peer's step (then a group still forming for
             it never will: the round gives up at once instead of waiting out ``averaging_timeout``).
-        alone: whether no other trainer is in the rounds of its step (the round gives up at once too).
+        alone: whether no other trainer was seen live lately (the round gives up at once too).
         stop_requested: a stop abandons the round in flight at once (nothing is applied).
     """
 

@@ -130,7 +130,7 @@ class Trainer:
         self.rounds = RoundRunner(averager=self.averager, dht=dht, spec=spec, gate=self.gate, config=config,
                                   subkey=subkey, live=self.reporter.recently_live, members=self.reporter.members,
                                   moved_on=lambda: self.catchup.behind(), stop_requested=self.stop_requested,
-                                  alone=lambda: self._alone())
+                                  alone=lambda: self.reporter.recently_live() <= 1)  # (a missed read: not alone)
         self.catchup = CatchUp(dht=dht, spec=spec, config=config, events=events, peer_id=self.peer_id, state=state,
                                served=self.served, reporter=self.reporter, stop_requested=self.stop_requested,
                                replay=self._optimizer_step, record_bytes=sum(p.numel() * p.element_size() for p in self.params))
