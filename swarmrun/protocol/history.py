@@ -12,8 +12,8 @@ Evidence, not inference, decides that a peer's own history lost: its ``Ledger`` 
 since it adopted its lineage) must hold another state at the winning anchor's step. An anchor that lags (a state
 fetched from a provider whose record was a step old) then never makes a peer of the winning history re-sync: its
 ledger holds the anchor's state, and it takes the anchor on (``ServedState.hold_anchor``). And an anchor counts
-as the swarm's newest only when two live reports carry it (or it is the peer's own): one peer, a liar or a
-confused one, cannot make the others discard their history.
+as the swarm's newest only when two live reports carry it (a peer's own report counts once): one peer, a liar or
+a confused one, cannot make the others discard their history.
 """
 
 from __future__ import annotations
@@ -66,12 +66,12 @@ def run_accounting(view: SwarmView) -> Optional[dict[str, int]]:
     return dict(ranked[0][1].cursor) if ranked else None
 
 
-def best_anchor(view: SwarmView, *also: Optional[Anchor]) -> Optional[Anchor]:
-    """The newest majority commit the swarm knows of: the newest anchor two live reports or more carry, or one of
-    ``also`` (this peer's own). One report alone (a liar's, or one that lags) never decides."""
+def best_anchor(view: SwarmView) -> Optional[Anchor]:
+    """The newest majority commit the swarm knows of: the newest anchor two live reports or more carry (a peer's own
+    report counts once). One report alone (a liar's, or one that lags) never decides: with a peer's own anchor as a
+    second voice, both sides of a 1-1 reunion ignored each other forever."""
     backed = Counter(r.anchor for r in view.reports.values() if r.anchor is not None)
-    anchors = [a for a, n in backed.items() if n >= 2] + [a for a in also if a is not None]
-    return max(anchors, default=None)
+    return max((a for a, n in backed.items() if n >= 2), default=None)
 
 
 def outranked(step: int, anchor: Optional[Anchor], best: Optional[Anchor]) -> bool:
@@ -99,7 +99,7 @@ def trusted_view(view: SwarmView, *, best: Optional[Anchor]) -> SwarmView:
 
 
 def should_resync(view: SwarmView, *, me: str, step: int, state_hash: str, anchor: Optional[Anchor] = None,
-                  ledger: Optional[Ledger] = None, own: bool = True) -> bool:
+                  ledger: Optional[Ledger] = None) -> bool:
     """Whether this peer must fetch the swarm's state.
 
     The reunion rule of a split (two sides that each committed steps while they could not see each other): the
@@ -108,7 +108,7 @@ def should_resync(view: SwarmView, *, me: str, step: int, state_hash: str, ancho
     a trainer of a history that is not outranked is ahead of it, or at its step those trainers disagree with its
     state and outnumber those that agree (ties go to the smaller hash), which heals a split that a lost view of the
     swarm could cause."""
-    best = best_anchor(view, anchor) if own else best_anchor(view)  # own=False: its anchor is one report of view's
+    best = best_anchor(view)
     if outranked_here(step, anchor, best, ledger):
         return True
     others = {p: r for p, r in trusted_view(view, best=best).trainers.items() if p != me}

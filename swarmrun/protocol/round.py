@@ -449,13 +449,6 @@ class SwarmView:
         return {p: r for p, r in self.reports.items() if r.role == Role.TRAINER}
 
     @property
-    def stepping(self) -> dict[str, ProgressReport]:
-        """The trainers in the rounds of their step: not one waiting for a later step it asked for (``joining``). The
-        others commit without it meanwhile (alone, if it is the only other: it waits for them, they must not wait for
-        it: the split trace saw both wait 60 s)."""
-        return {p: r for p, r in self.trainers.items() if r.joining is None or r.joining <= r.step}
-
-    @property
     def newest_step(self) -> int:
         return max((r.step for r in self.reports.values()), default=0)
 

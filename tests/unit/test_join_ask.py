@@ -61,18 +61,3 @@ def test_rounds_abandoned_in_a_row_end_in_exit_3():
         Trainer._abandon(trainer, "no round formed: SwarmMovedOn: the swarm committed this step before a group formed")
     assert caught.value.exit_code == 3 and "3 rounds in a row" in str(caught.value)
 
-
-def test_a_trainer_waiting_for_the_step_it_asked_for_is_not_in_the_rounds_before():
-    """The others commit without a trainer that waits for a later step (alone, if it is the only other one): the split
-    trace saw a creator and its only joiner wait for each other 60 s (the creator's round searched for the joiner,
-    which waited for the step it asked for)."""
-    from swarmrun.protocol.round import ProgressReport, Role, SwarmView
-
-    def rep(step, joining=None, role=Role.TRAINER):
-        return ProgressReport(step=step, samples=0, samples_per_second=1.0, role=role, state_hash="h", time=0.0,
-                              joining=joining)
-
-    view = SwarmView(reports={"creator": rep(16), "joiner": rep(16, joining=18), "keeper": rep(16, role=Role.KEEPER)})
-    assert set(view.stepping) == {"creator"}
-    view = SwarmView(reports={"creator": rep(18), "joiner": rep(18, joining=18)})
-    assert set(view.stepping) == {"creator", "joiner"}  # at the step it asked for, it is in the round

@@ -8,9 +8,9 @@ from swarmrun.node.peer.trainer import TrainerConfig
 from swarmrun.protocol.round import ProgressReport, Role, SwarmView
 
 
-def rep(step=3, *, left=False, finished=False, role=Role.TRAINER):
+def rep(step=3, *, left=False, finished=False, role=Role.TRAINER, joining=None):
     return ProgressReport(step=step, samples=0, samples_per_second=1.0, role=role, state_hash="h", time=0.0,
-                          left=left, finished=finished)
+                          left=left, finished=finished, joining=joining)
 
 
 def make(view: dict) -> Reporter:
@@ -43,3 +43,14 @@ def test_vanished_trainers_are_forgotten_after_the_window(monkeypatch):
     assert r.members() == 2  # ... but its steps alone are not a majority of the membership until it forgets a
     later += reporter_mod.MEMBERSHIP_MEMORY
     assert r.members() == 1
+
+
+def test_a_trainer_waiting_for_the_step_it_asked_for_leaves_this_peer_alone():
+    """The trainer's "alone" (the solo commit, a round giving up) is ``recently_live``: a trainer that waits for a later
+    step it asked for is not counted (a creator and its only joiner waited 60 s for each other), and one whose report
+    a read missed still is, for the report TTL (a view-based test let two peers commit alone at once)."""
+    r = make({"joiner": rep(16, joining=18)})
+    assert r.recently_live() == 1
+    r = make({"b": rep(16)})
+    r.view = SwarmView(reports={"me": rep()})  # b's report missed by one read
+    assert r.recently_live() == 2

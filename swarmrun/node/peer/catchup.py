@@ -72,7 +72,7 @@ class CatchUp:
             self.served.hold_anchor(best)  # an anchor that lagged behind this peer's own history catches up
         step, state_hash, anchor = self.served.position  # one object (a step may be being applied in the worker thread)
         return should_resync(self.reporter.view, me=self.peer_id, step=step, state_hash=state_hash, anchor=anchor,
-                             ledger=self.served.ledger, own=False)
+                             ledger=self.served.ledger)
 
     def _trusted(self) -> tuple[SwarmView, Callable[[ProviderRecord], bool]]:
         """The view of the peers this one may follow, and a test of provider records alike: not those of a
@@ -181,7 +181,8 @@ class CatchUp:
             logger.warning(f"the replayed state of step {frozen.step} differed from the fetched one in: "
                            f"{', '.join(manifest_differences(self.diverged, frozen.manifest)) or 'nothing?'}")
         self.diverged = None
-        self._forked |= self.served.ledger.holds(provider.anchor) is False if provider.anchor else False
+        # the fetched state's anchor is another state than this peer held at that step: a history it leaves
+        self._forked = self._forked or (provider.anchor is not None and self.served.ledger.holds(provider.anchor) is False)
         how["discarded"] += self._discarded(frozen.step)
         self._forked = False  # the adopted state is the swarm's history: a later fetch discards none of it
         self.served.next_anchor = provider.anchor or "unknown"  # a provider of an earlier build names none

@@ -43,7 +43,7 @@ class ServedState:
         # and a report read in between from state.step and state_hash paired the new step with the old hash (the
         # links benchmark saw the others count those reports as a majority at the step disagreeing with theirs, and
         # re-sync or leave a forming round for nothing)
-        # (step, state_hash, anchor): ``current`` and the history's anchor (``ProgressReport.anchor``) replaced as one
+        # (step, state_hash, anchor): the pair and the history's anchor (``ProgressReport.anchor``) replaced as one
         # object too: a report pairing a new step with the anchor of the one before would look outranked
         self.position: tuple[int, str, Optional[tuple[int, str]]] = (-1, "", None)
         # the anchor the next refresh gives the state, set before a step is applied or a state adopted: "here" (the
@@ -77,11 +77,6 @@ class ServedState:
             else:
                 self.ledger.add(self.frozen.step, self.state_hash)
         set_log_context(step=self.state.step)
-
-    @property
-    def current(self) -> tuple[int, str]:
-        """(step, state_hash) of the frozen state, as one pair."""
-        return self.position[:2]
 
     @property
     def anchor(self) -> Optional[tuple[int, str]]:

@@ -130,7 +130,7 @@ class Trainer:
         self.rounds = RoundRunner(averager=self.averager, dht=dht, spec=spec, gate=self.gate, config=config,
                                   subkey=subkey, live=self.reporter.recently_live, members=self.reporter.members,
                                   moved_on=lambda: self.catchup.behind(), stop_requested=self.stop_requested,
-                                  alone=lambda: self.reporter.recently_live() <= 1)  # (a missed read: not alone)
+                                  alone=self._alone)
         self.catchup = CatchUp(dht=dht, spec=spec, config=config, events=events, peer_id=self.peer_id, state=state,
                                served=self.served, reporter=self.reporter, stop_requested=self.stop_requested,
                                replay=self._optimizer_step, record_bytes=sum(p.numel() * p.element_size() for p in self.params))
@@ -249,8 +249,9 @@ class Trainer:
         return met and alone_ok and not self.holding
 
     def _alone(self) -> bool:
-        """No other trainer is in the rounds of its step (none live, or the only others wait for a later step)."""
-        return not (self.view.stepping.keys() - {self.peer_id})
+        """No other trainer was live within the report TTL (one missed DHT read is not a vanished peer: a view-based
+        test let two peers commit alone at once), or the only others wait for a later step they asked for."""
+        return self.reporter.recently_live() <= 1
 
     def _my_quota(self) -> int:
         """This peer's part of the next step (``protocol.plan``); once no free block is left to it, what it has."""
