@@ -1,5 +1,6 @@
 """The run's membership as a peer remembers it (``Reporter.members``/``vanished``): what the split rules count."""
 
+import asyncio
 import time
 
 from swarmrun.node.peer import reporter as reporter_mod
@@ -54,3 +55,29 @@ def test_a_trainer_waiting_for_the_step_it_asked_for_leaves_this_peer_alone():
     r = make({"b": rep(16)})
     r.view = SwarmView(reports={"me": rep()})  # b's report missed by one read
     assert r.recently_live() == 2
+
+
+def test_a_newcomer_is_not_alone_before_it_watched_the_run_for_a_report_ttl(monkeypatch):
+    """CI: a joiner's first reads missed the creator's report, it committed step 1 alone and split the run. A
+    newcomer that sees no other trainer neither steps nor counts as alone until it read the run for a report TTL."""
+    r = make({})
+    assert r.alone() and not r.watching()  # a creator (or a resumed run) alone: nobody else holds the run
+    r.newcomer = True
+    assert r.watching() and not r.alone()  # no read yet
+    seen = {}
+
+    async def read_view(dht, run_id, gate):
+        return SwarmView(reports=seen)
+
+    monkeypatch.setattr(reporter_mod, "read_view", read_view)
+    r.spec = type("S", (), {"run_id": "run"})()
+    asyncio.run(r.refresh())  # a read that found no other trainer
+    assert r.watching() and not r.alone()
+    seen["other"] = rep()
+    asyncio.run(r.refresh())
+    assert not r.watching() and not r.alone()  # it sees another trainer: it is in the run's rounds
+    later = time.monotonic() + TrainerConfig().report_ttl + 1
+    monkeypatch.setattr(reporter_mod.time, "monotonic", lambda: later)
+    seen.clear()
+    asyncio.run(r.refresh())
+    assert not r.watching() and r.alone()  # gone for a report TTL, watched for longer: it may step alone

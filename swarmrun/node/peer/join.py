@@ -271,6 +271,7 @@ async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) 
     if opts.task is not None or opts.spec is not None or plan is not None:
         trainer.served.anchor_here()  # a new or resumed run's history starts with this state
         return
+    trainer.reporter.newcomer = True  # others hold this run: it watches a report TTL before it may step alone
     view = await read_view(trainer.dht, trainer.spec.run_id, trainer.gate)
     if view.reports or await read_providers(trainer.dht, trainer.spec.run_id, trainer.gate):
         t0 = time.perf_counter()

@@ -45,6 +45,8 @@ class Reporter:
         self._seen: dict[str, float] = {}  # trainer -> when this peer last saw it live
         self._members: dict[str, float] = {}  # the same, kept MEMBERSHIP_MEMORY unless its last report said it left
         self._waiting_alone = False
+        self.newcomer = False  # it joined a run others hold (set by the bootstrap)
+        self._first_read: Optional[float] = None  # when this peer first read the run's reports (monotonic)
         self._published = 0.0  # when the progress report was last stored (monotonic)
         self._announced: tuple = ((), 0.0)  # what the last stored provider record said, and when
 
@@ -80,6 +82,7 @@ class Reporter:
         """Read the live reports (this peer's own from memory: the DHT's copy lags)."""
         view = await read_view(self.dht, self.spec.run_id, self.gate)
         self.view = SwarmView(reports={**view.reports, self.peer_id: self.report()})
+        self._first_read = self._first_read or time.monotonic()
         self.recently_live()
 
     async def publish_and_read(self) -> None:
@@ -107,6 +110,19 @@ class Reporter:
             else:
                 self._members[peer] = now
         return len(self._seen | {self.peer_id: now})
+
+    def watching(self) -> bool:
+        """A newcomer that has seen no other trainer yet and has not read the run's reports for a report TTL: its
+        first reads may miss the others (a DHT lookup that reached no holder of the key), and a solo commit on such
+        a read splits the run (CI: a joiner committed step 1 alone while the others waited for it). Until then
+        it neither steps nor counts as alone; a trainer that is live republishes well within the TTL."""
+        if not self.newcomer or self.recently_live() > 1:
+            return False
+        return self._first_read is None or time.monotonic() - self._first_read < self.config.report_ttl
+
+    def alone(self) -> bool:
+        """No other trainer was live within the report TTL, and this peer is not a newcomer still ``watching``."""
+        return self.recently_live() <= 1 and not self.watching()
 
     def members(self) -> int:
         """The run's membership as this peer remembers it: trainers live now or lately, and those that vanished
