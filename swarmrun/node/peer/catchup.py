@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 from hivemind import DHT
 
@@ -55,7 +55,7 @@ class CatchUp:
 
     def __init__(self, *, dht: DHT, spec: Spec, config, events: Events, peer_id: str, state: RunState,
                  served: ServedState, reporter: Reporter, stop_requested: asyncio.Event,
-                 replay: Callable[[list, RangeSet], None], record_bytes: int):
+                 replay: Callable[[list, RangeSet], Awaitable[None]], record_bytes: int):
         self.dht, self.spec, self.config, self.events, self.peer_id = dht, spec, config, events, peer_id
         self.state, self.served, self.reporter, self.stop_requested = state, served, reporter, stop_requested
         self.replay, self.record_bytes = replay, record_bytes
@@ -233,7 +233,7 @@ class CatchUp:
                 self._forked = True  # the swarm's history went through another state at this step
                 break  # this peer's state is not the one the record starts from: a whole state is needed
             self.served.next_anchor = record_anchor(record)  # the anchor after the step (None: keep this one's)
-            await asyncio.to_thread(self.replay, grads, applied)
+            await self.replay(grads, applied)  # on the trainer's step thread
             if self.served.state_hash != after:
                 # e.g. another device's arithmetic: the replay does not give the committers' bits
                 logger.warning(f"replaying step {self.state.step - 1} did not give the committers' state; fetching one")

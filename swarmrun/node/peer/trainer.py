@@ -1,11 +1,11 @@
 """The trainer: accumulate per-sample gradients on unapplied blocks, run rounds, commit steps, re-sync.
 
-One asyncio loop; the gradient computation and the optimizer step run in a worker thread. hivemind's DHT
-and averager run in their own processes and are reached through their public API (MPFutures are awaited).
-What it is made of, each an object of its own: the round and its vote (``rounds.RoundRunner``), the progress
-reporter and the swarm view (``reporter.Reporter``), the served state (``served.ServedState``) and the catch-up
-(``catchup.CatchUp``), the local work of the run's mode (``work``: accumulated gradients, or outer mode's inner
-steps). The trainer keeps the loop and applying a committed step.
+One asyncio loop; gradients are computed in a worker thread, steps applied on the step thread (``stepper``).
+hivemind's DHT and averager run in their own processes, reached through their public API (MPFutures are awaited).
+Made of objects of their own: the round and its vote (``rounds.RoundRunner``), the progress reporter and the swarm
+view (``reporter.Reporter``), the served state (``served.ServedState``), the catch-up (``catchup.CatchUp``), the
+local work of the run's mode (``work``: accumulated gradients, or outer mode's inner steps). The trainer keeps the
+loop and applying a committed step.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from swarmrun.node.peer.catchup import CatchUp
 from swarmrun.node.peer.reporter import Reporter
 from swarmrun.node.peer.rounds import RoundRunner, SwarmMovedOn, make_averager
 from swarmrun.node.peer.served import ServedState
+from swarmrun.node.peer.stepper import StepThread
 from swarmrun.node.peer.work import make_work, mean_norm
 from swarmrun.node.state.run import FrozenState, RunState
 from swarmrun.node.state.steps import make_step_record
@@ -84,13 +85,11 @@ class Trainer:
     """
 
     def __init__(self, *, spec: Spec, task: Task, dht: DHT, state: RunState, events: Events, config: TrainerConfig,
-                 identity: RSAPrivateKey, gate: Optional[AccessGate] = None,
-                 stop_requested: Optional[asyncio.Event] = None):
+                 identity: RSAPrivateKey, gate: Optional[AccessGate] = None, stop_requested: Optional[asyncio.Event] = None):
         self.spec, self.task, self.dht, self.state, self.events, self.config = spec, task, dht, state, events, config
         self.gate = gate if gate is not None else AccessGate(spec)
         self.peer_id = dht.peer_id.to_base58()
-        # this peer's DHT records (progress, votes, provider records) are signed with its identity (its p2pd key):
-        # no one writes in its name
+        # this peer's DHT records (progress, votes, provider records) are signed with its identity: no one writes for it
         self.subkey = subkey = signed_subkey(record_validator(identity), self.peer_id)
         self.device = torch.device(config.device)
         self.params = [p for p in state.model.parameters()]
@@ -98,16 +97,15 @@ class Trainer:
         self.samples = 0  # samples accumulated toward the next step
         self.claims = Claims()  # blocks whose gradients are in the accumulator
         self.quota: Optional[int] = None  # samples this peer brings to the next step (its part of the plan, published)
-        # when this peer last found no free block for the next step (monotonic; 0: it did not): for a while its part
-        # ends with what it has; then it looks again (a dead peer's leases expire, the view changes)
+        # when this peer last found no free block for the next step (monotonic; 0: not): for a while its part ends
+        # with what it has, then it looks again (a dead peer's leases expire, the view changes)
         self.spent_at = 0.0
         self.ready_at = 0.0  # DHT time this peer's part of the next step was computed (0: not yet)
         self.floor = 0  # a round fell short and this peer takes the rest: its part is at least this
         self._looking: Optional[asyncio.Future] = None  # the publish-and-read after the last commit
         self._plan_step, self._step_since = -1, 0.0  # the step plans are for, and when this peer reached it
         self._agreed: tuple[str, dict[str, float]] = ("", {})  # (state_hash, the speeds its committing round gathered)
-        self._applying = False  # a committed step is being applied (worker thread): the accumulator is the last step's
-        self._met_min_peers = False
+        self._applying = self._met_min_peers = False  # _applying: mid-apply the accumulator is the last step's
         # set by a signal (even one that came before the trainer existed), a pause, or the library's caller
         self.stop_requested = stop_requested if stop_requested is not None else asyncio.Event()
         self.finished, self.samples_per_second = False, 0.0
@@ -119,6 +117,7 @@ class Trainer:
         self.failed_rounds, self.holding = 0, 0.0  # holding: since when a pause holds this peer (it only catches up)
         self.stats = dict(steps_committed=0, rounds_abandoned=0, resyncs=0, steps_discarded=0)
         self.commit_hooks: list = []  # hook(frozen) after every committed step, in this loop; must not block
+        self.stepper = StepThread()  # every optimizer step of this peer, commit or replay (``stepper``: why)
         self.served = ServedState(state=state, spec=spec, dht=dht, gate=self.gate,
                                   chunk_size=int(spec.hparams.get("chunk_size", DEFAULT_CHUNK_SIZE)),
                                   chunk_timeout=config.next_chunk_timeout * 5)
@@ -133,7 +132,8 @@ class Trainer:
                                   alone=self._alone)
         self.catchup = CatchUp(dht=dht, spec=spec, config=config, events=events, peer_id=self.peer_id, state=state,
                                served=self.served, reporter=self.reporter, stop_requested=self.stop_requested,
-                               replay=self._optimizer_step, record_bytes=sum(p.numel() * p.element_size() for p in self.params))
+                               replay=lambda *step: self.stepper.run(self._optimizer_step, *step),
+                               record_bytes=sum(p.numel() * p.element_size() for p in self.params))
 
     @property
     def view(self) -> SwarmView:
@@ -246,12 +246,12 @@ class Trainer:
         self._met_min_peers = self._met_min_peers or live >= self.config.min_peers
         alone_ok = live >= 2 or not self.reporter.vanished(self.config.alone_after)  # vanished records are no evidence
         met = live >= self.config.min_peers or (self._met_min_peers and live >= 2)
-        return met and alone_ok and not self.holding
+        return met and alone_ok and not self.holding and not self.reporter.watching()
 
     def _alone(self) -> bool:
-        """No other trainer was live within the report TTL (one missed DHT read is not a vanished peer: a view-based
-        test let two peers commit alone at once), or the only others wait for a later step they asked for."""
-        return self.reporter.recently_live() <= 1
+        """``Reporter.alone``: no other trainer live within the report TTL (one missed read is no vanished peer), or
+        only ones waiting for a later step they asked for; and not a newcomer still watching the run."""
+        return self.reporter.alone()
 
     def _my_quota(self) -> int:
         """This peer's part of the next step (``protocol.plan``); once no free block is left to it, what it has."""
@@ -346,7 +346,7 @@ class Trainer:
             ready = max([m.ready_at for m in outcome.metas if m.ready_at] or [self.ready_at])
             mine = self.work.fields()
             t_apply = time.perf_counter()
-            await asyncio.to_thread(self._apply_step, claims.applied, True, result.decision.majority)
+            await self.stepper.run(self._apply_step, claims.applied, True, result.decision.majority)
             self._agreed = (self.state_hash, {p: m.rate for p, m in zip(outcome.peer_ids, outcome.metas)})
             self._after_commit()
             # where the round's overhead went: the group forming after the last part was computed, the all-reduce,
@@ -393,7 +393,7 @@ class Trainer:
         ready = self.ready_at or get_dht_time()
         mine = self.work.fields()
         # with vanished trainers remembered (crashed or cut off: the same from inside) a minority commit (no anchor)
-        await asyncio.to_thread(self._apply_step, claims.applied, False, self.reporter.members() <= 1)
+        await self.stepper.run(self._apply_step, claims.applied, False, self.reporter.members() <= 1)
         self._after_commit()
         self.events.emit("step", **self._step_fields(group=1, round_s=0.0, samples=claims.samples,
                                                       blocks=claims.applied.to_list(),
@@ -493,6 +493,7 @@ class Trainer:
             self.events.emit("progress", **self._step_fields())
 
     def shutdown(self) -> None:
+        self.stepper.close()
         try:
             self.averager.shutdown()
         except Exception as e:
