@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from swarmrun.protocol.round import step_bounds
+from swarmrun.protocol.spec import DEFAULT_STEP_TOLERANCE
 from tests.swarm_helpers import process_cmdlines
 
 ROOT = Path(__file__).parents[2]
@@ -30,7 +32,12 @@ def test_outer_mode_trace_with_kills_and_joins(tmp_path):
     assert summary["final_step"] == summary["total_steps"] == 10
     assert summary["faults"] == {"kill": 2, "join": 2}
     assert summary["cursor"]["blocks_skipped"] == 0 and summary["cursor"]["blocks_duplicated"] == 0
-    assert summary["samples_applied"] == 10 * 256  # an outer step counts the samples of all its inner steps
+    # an outer step counts the samples of all its inner steps: each carries the target within the step tolerance (a
+    # trainer's part rounds up to whole blocks per inner batch, so a step may carry a block more: CI saw 264 once)
+    low, high = step_bounds(256, DEFAULT_STEP_TOLERANCE)
+    sizes = summary["step_size"]
+    assert sizes["steps"] == 10 and low <= sizes["min"] and sizes["max"] <= high, sizes
+    assert 10 * low <= summary["samples_applied"] <= 10 * high
     assert "final_loss_within_tolerance" not in summary["invariants"]  # no synchronous baseline for outer mode
     assert all(j["bootstrapped_step"] is not None for j in summary["joiners"]), summary["joiners"]
     steps = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
