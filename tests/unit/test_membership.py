@@ -81,3 +81,31 @@ def test_a_newcomer_is_not_alone_before_it_watched_the_run_for_a_report_ttl(monk
     seen.clear()
     asyncio.run(r.refresh())
     assert not r.watching() and r.alone()  # gone for a report TTL, watched for longer: it may step alone
+
+
+def test_a_stopped_trainer_serves_a_keeper_that_is_behind_until_it_caught_up(monkeypatch):
+    """CI's pool trace: both trainers of a run left 0.1 s after a step their keeper had not replayed; the next worker
+    joined the keeper three committed steps behind. A stopped trainer keeps announcing its state (bounded) while a
+    live keeper reports an older step."""
+    r = make({})
+    r.config = TrainerConfig(report_interval=0.01)
+    views = iter([{"k": rep(10, role=Role.KEEPER)}, {"k": rep(12, role=Role.KEEPER)}, {"k": rep(13, role=Role.KEEPER)}])
+    published = []
+
+    async def publish():
+        published.append(1)
+
+    async def refresh():
+        r.view = SwarmView(reports={"me": rep(13), **next(views, {"k": rep(13, role=Role.KEEPER)})})
+
+    monkeypatch.setattr(r, "publish", publish)
+    monkeypatch.setattr(r, "refresh", refresh)
+    assert asyncio.run(r.hand_to_keepers(13, within=5.0))
+    assert len(published) == 3  # announced until the keeper reported step 13
+    r.view, views = SwarmView(reports={}), iter([])
+    monkeypatch.setattr(r, "refresh", lambda: asyncio.sleep(0, r.__setattr__(
+        "view", SwarmView(reports={"k": rep(5, role=Role.KEEPER), "gone": rep(1, role=Role.KEEPER, left=True)}))))
+    assert not asyncio.run(r.hand_to_keepers(13, within=0.1))  # bounded: a keeper that never catches up
+    monkeypatch.setattr(r, "refresh", lambda: asyncio.sleep(0, r.__setattr__(
+        "view", SwarmView(reports={"gone": rep(1, role=Role.KEEPER, left=True), "t": rep(2)}))))
+    assert asyncio.run(r.hand_to_keepers(13, within=5.0))  # a keeper that left, a trainer behind: no wait

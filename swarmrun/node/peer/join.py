@@ -32,6 +32,7 @@ from swarmrun.node.state.owned import remember_owned
 from swarmrun.node.tasks.base import Task, load_task_class
 from swarmrun.protocol.access import MAX_TTL, Certificate
 from swarmrun.protocol.errors import IncompatibleState, ProtocolError, RunNotFound, Stopped, TaskError, UsageError
+from swarmrun.protocol.round import Role
 from swarmrun.protocol.spec import SignedSpec
 
 if TYPE_CHECKING:
@@ -128,6 +129,9 @@ async def _run_peer(opts: JoinOptions, events: Events, keep: Optional[dict], sig
             await side.close(reason)
         except Exception as e:  # the leave goes on: the `left` event and the exit code say how it ended
             logger.warning(f"the snapshot side failed while leaving: {type(e).__name__}: {e}")
+        if reason == "stopped" and trainer.config.role == Role.TRAINER and not await trainer.reporter.hand_to_keepers(
+                trainer.state.step, KEEPER_HANDOFF):
+            logger.warning(f"leaving with the run's keeper still behind step {trainer.state.step}")
         _left(trainer, reason, events, keep)
         return reason
     finally:
@@ -280,6 +284,7 @@ async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) 
                     seconds=round(time.perf_counter() - t0, 3), **how)
 
 
+KEEPER_HANDOFF = 8.0  # a stopped trainer serves a keeper behind its step this long at most (within LEAVE_GRACE)
 LEAVE_GRACE = 30.0  # seconds a peer asked to leave may take before it is made to
 LEAVE_SLOW = 10.0  # a leave still going after this long writes every thread's stack to stderr (where it hangs)
 KILL_TIMEOUT = 2.0  # a forced leave SIGKILLs its children this long after their SIGTERM
