@@ -2,6 +2,10 @@
 
 import asyncio
 import time
+from dataclasses import replace
+from types import SimpleNamespace
+
+from hivemind.utils.timed_storage import get_dht_time
 
 from swarmrun.node.peer import reporter as reporter_mod
 from swarmrun.node.peer.reporter import Reporter
@@ -83,29 +87,37 @@ def test_a_newcomer_is_not_alone_before_it_watched_the_run_for_a_report_ttl(monk
     assert not r.watching() and r.alone()  # gone for a report TTL, watched for longer: it may step alone
 
 
+def keeper(step, *, left=False, age=0.0):
+    return replace(rep(step, role=Role.KEEPER, left=left), time=get_dht_time() - age)
+
+
 def test_a_stopped_trainer_serves_a_keeper_that_is_behind_until_it_caught_up(monkeypatch):
     """CI's pool trace: both trainers of a run left 0.1 s after a step their keeper had not replayed; the next worker
     joined the keeper three committed steps behind. A stopped trainer keeps announcing its state (bounded) while a
     live keeper reports an older step."""
-    r = make({})
-    r.config = TrainerConfig(report_interval=0.01)
-    views = iter([{"k": rep(10, role=Role.KEEPER)}, {"k": rep(12, role=Role.KEEPER)}, {"k": rep(13, role=Role.KEEPER)}])
+    r = make({"k": keeper(10)})
+    r.config, r.dht = TrainerConfig(report_interval=0.01), SimpleNamespace(is_alive=lambda: True)
+    views = iter([{"k": keeper(12)}, {"k": keeper(13)}])
     published = []
 
     async def publish():
         published.append(1)
 
-    async def refresh():
-        r.view = SwarmView(reports={"me": rep(13), **next(views, {"k": rep(13, role=Role.KEEPER)})})
+    def refresh_to(reports):
+        async def refresh():
+            r.view = SwarmView(reports={"me": rep(13), **reports()})
+        return refresh
 
     monkeypatch.setattr(r, "publish", publish)
-    monkeypatch.setattr(r, "refresh", refresh)
+    monkeypatch.setattr(r, "refresh", refresh_to(lambda: next(views, {"k": keeper(13)})))
     assert asyncio.run(r.hand_to_keepers(13, within=5.0))
-    assert len(published) == 3  # announced until the keeper reported step 13
-    r.view, views = SwarmView(reports={}), iter([])
-    monkeypatch.setattr(r, "refresh", lambda: asyncio.sleep(0, r.__setattr__(
-        "view", SwarmView(reports={"k": rep(5, role=Role.KEEPER), "gone": rep(1, role=Role.KEEPER, left=True)}))))
+    assert len(published) == 2  # announced until the keeper reported step 13
+    r.view = SwarmView(reports={"k": keeper(5)})
+    monkeypatch.setattr(r, "refresh", refresh_to(lambda: {"k": keeper(5), "gone": keeper(1, left=True)}))
     assert not asyncio.run(r.hand_to_keepers(13, within=0.1))  # bounded: a keeper that never catches up
-    monkeypatch.setattr(r, "refresh", lambda: asyncio.sleep(0, r.__setattr__(
-        "view", SwarmView(reports={"gone": rep(1, role=Role.KEEPER, left=True), "t": rep(2)}))))
-    assert asyncio.run(r.hand_to_keepers(13, within=5.0))  # a keeper that left, a trainer behind: no wait
+    assert len(published) > 2
+    published.clear()
+    r.view = SwarmView(reports={"gone": keeper(1, left=True), "t": rep(2), "dead": keeper(5, age=6.0)})
+    assert asyncio.run(r.hand_to_keepers(13, within=5.0)) and not published  # no keeper live and behind: no DHT call
+    r.view, r.dht = SwarmView(reports={"k": keeper(5)}), SimpleNamespace(is_alive=lambda: False)
+    assert not asyncio.run(r.hand_to_keepers(13, within=5.0)) and not published  # its DHT died: nothing to serve with

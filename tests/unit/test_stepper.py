@@ -5,12 +5,43 @@ import threading
 
 import torch
 
+from swarmrun.node.peer import stepper as stepper_mod
 from swarmrun.node.peer.stepper import StepThread, _probe, warm_up
 
 
-def test_warm_up_finds_two_runs_that_agree():
-    assert warm_up() == 0  # in a bare process the first run already agrees with the next
-    assert torch.equal(_probe(), _probe()) and torch.isfinite(_probe()).all()
+def test_warm_up_runs_until_two_runs_agree(monkeypatch):
+    a, b = torch.zeros(3), torch.ones(3)
+    runs = iter([a, b, a, a, b])
+    monkeypatch.setattr(stepper_mod, "_probe", lambda: next(runs))
+    assert warm_up() == 2  # a≠b, b≠a, then a = a
+    monkeypatch.setattr(stepper_mod, "_probe", lambda: torch.rand(3))
+    assert warm_up(runs=4) == 4  # never agreed: bounded
+    assert torch.equal(_probe(), _probe()) and torch.isfinite(_probe()).all()  # the real probe is deterministic
+
+
+def test_the_warm_up_runs_on_the_step_thread_before_its_first_step_and_only_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(stepper_mod, "warm_up", lambda: calls.append(("warm", threading.current_thread().name)) or 1)
+    stepper = StepThread()
+
+    async def main():
+        for i in range(2):
+            await stepper.run(lambda k: calls.append((k, threading.current_thread().name)), i)
+
+    try:
+        asyncio.run(main())
+    finally:
+        stepper.close()
+    assert [c for c, _ in calls] == ["warm", 0, 1] and len({name for _, name in calls}) == 1
+
+
+def test_a_failed_warm_up_does_not_stop_the_steps(monkeypatch):
+    monkeypatch.setattr(stepper_mod, "warm_up", lambda: 1 / 0)
+    stepper = StepThread()
+    try:
+        assert asyncio.run(stepper.run(sum, [1, 2])) == 3
+    finally:
+        stepper.close()
 
 
 def test_steps_run_in_order_on_one_thread_that_does_nothing_else():

@@ -129,8 +129,8 @@ async def _run_peer(opts: JoinOptions, events: Events, keep: Optional[dict], sig
             await side.close(reason)
         except Exception as e:  # the leave goes on: the `left` event and the exit code say how it ended
             logger.warning(f"the snapshot side failed while leaving: {type(e).__name__}: {e}")
-        if reason == "stopped" and trainer.config.role == Role.TRAINER and not await trainer.reporter.hand_to_keepers(
-                trainer.state.step, KEEPER_HANDOFF):
+        if reason in ("stopped", "max_steps") and trainer.config.role == Role.TRAINER \
+                and not await trainer.reporter.hand_to_keepers(trainer.state.step, KEEPER_HANDOFF):
             logger.warning(f"leaving with the run's keeper still behind step {trainer.state.step}")
         _left(trainer, reason, events, keep)
         return reason
@@ -286,7 +286,8 @@ async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) 
 
 KEEPER_HANDOFF = 8.0  # a stopped trainer serves a keeper behind its step this long at most (within LEAVE_GRACE)
 LEAVE_GRACE = 30.0  # seconds a peer asked to leave may take before it is made to
-LEAVE_SLOW = 10.0  # a leave still going after this long writes every thread's stack to stderr (where it hangs)
+LEAVE_SLOW = 20.0  # a leave still going after this long writes every thread's stack to stderr (where it hangs); a
+# healthy one takes its last report (5 s), a leave snapshot and a hand-off to a keeper behind (KEEPER_HANDOFF) first
 KILL_TIMEOUT = 2.0  # a forced leave SIGKILLs its children this long after their SIGTERM
 
 

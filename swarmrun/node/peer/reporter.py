@@ -145,22 +145,31 @@ class Reporter:
         return len(gone)
 
     async def hand_to_keepers(self, step: int, within: float) -> bool:
-        """A trainer leaving on a stop (a hand-back, a preemption, a signal): while a live keeper reports an older
-        step than ``step``, keep announcing and serving this peer's state (its caller stops the server after), for
-        at most ``within`` seconds. CI's pool trace: both trainers of a run left 0.1 s after a step their keeper had
-        not replayed yet, and the next worker joined the keeper three committed steps behind. True: none is behind."""
+        """A trainer leaving on a stop (a hand-back, a preemption, a signal, its max steps): while a live keeper
+        reports an older step than ``step``, keep announcing and serving this peer's state (its caller stops the
+        server after), for at most ``within`` seconds. CI's pool trace: both trainers of a run left 0.1 s after a
+        step their keeper had not replayed yet, and the next worker joined the keeper three committed steps behind.
+        No DHT call when the view shows no such keeper; a keeper whose report is half a TTL old (killed, or its
+        DHT stalled) is not waited for; nor is any when this peer's DHT is dead. True: none is behind."""
         deadline = time.monotonic() + within
-        while time.monotonic() < deadline:
-            try:
-                await asyncio.wait_for(self.publish(), self.config.report_interval)
-                await asyncio.wait_for(self.refresh(), self.config.report_interval)
-            except Exception as e:
-                logger.debug(f"while handing the state to the run's keepers: {e!r}")
-            if not any(p != self.peer_id and r.role == Role.KEEPER and not r.left and r.step < step
-                       for p, r in self.view.reports.items()):
-                return True
-            await asyncio.sleep(self.config.report_interval)
-        return False
+        if self._keepers_behind(step):
+            logger.info(f"serving step {step} while the run's keeper catches up (up to {within:.0f}s)")
+        while self._keepers_behind(step):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.dht.is_alive():
+                return False
+            for call in (self.publish, self.refresh):  # apart: a slow store must not keep the view old
+                try:
+                    await asyncio.wait_for(call(), min(self.config.report_ttl / 4, left))
+                except Exception as e:
+                    logger.debug(f"while handing the state to the run's keepers: {e!r}")
+            await asyncio.sleep(max(0.0, min(self.config.report_interval, deadline - time.monotonic())))
+        return True
+
+    def _keepers_behind(self, step: int) -> bool:
+        fresh = get_dht_time() - self.config.report_ttl / 2
+        return any(p != self.peer_id and r.role == Role.KEEPER and not r.left and r.step < step and r.time >= fresh
+                   for p, r in self.view.reports.items())
 
     async def serve_laggards(self, stop_requested: asyncio.Event) -> None:
         """Once finished, keep serving the final state (and reporting `finished`) while live trainers are still

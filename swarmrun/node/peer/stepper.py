@@ -62,7 +62,11 @@ class StepThread:
 
     @staticmethod
     def _warm() -> None:
-        disagreed = warm_up()
+        try:
+            disagreed = warm_up()
+        except Exception as e:  # the steps run all the same; a warm-up is a precaution, not a step
+            logger.warning(f"the step thread's warm-up failed: {type(e).__name__}: {e}")
+            return
         if disagreed:
             logger.info(f"the step thread's first parallel kernels gave other bits than the next ({disagreed} "
                         f"run(s)); warmed up before its first step")
@@ -75,4 +79,5 @@ class StepThread:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        """No step starts after this (one queued by a caller that was cancelled meanwhile is dropped)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
