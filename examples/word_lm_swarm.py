@@ -138,7 +138,7 @@ def train(args) -> nn.Module:
                               scheduler=make_schedule, evaluate=evaluate, hparams=dict(epochs=EPOCHS, block_size=4,
                               target_batch_size=BATCH, clip_norm=CLIP, eval_every=EVAL_EVERY))
     return swarmrun.train(task, "word-lm", create=not args.peers, peers=args.peers, min_peers=args.min_peers,
-                          batch_size=4, device="cpu", json=True, events=sys.stderr).model  # events: JSON lines
+                          batch_size=4, device="cpu", seed=args.seed, json=True, events=sys.stderr).model
 
 
 if __name__ == "__main__":

@@ -188,11 +188,13 @@ class TrainResult:
 def train(task: type[Task], run_id: str, *, peers: Sequence[str] = (), create: bool = False,
           sets: Optional[Mapping[str, Any]] = None, state_dir: Optional[str] = None, batch_size: int = 16,
           device: str = "auto", max_steps: Optional[int] = None, listen: Sequence[str] = (), min_peers: int = 1,
-          json: bool = False, events: Optional[TextIO] = None, **config: Any) -> TrainResult:
+          json: bool = False, events: Optional[TextIO] = None, seed: Optional[int] = None,
+          **config: Any) -> TrainResult:
     """Create (``create=True``) or join (``peers=...``) a run of ``task`` and train until it ends.
 
     Args:
         state_dir: this peer's identity (default ``~/.swarmrun``): two peers on one machine need two.
+        seed: a created run's seed (its model's initialization and its data order); default swarmrun's own.
         json: events as JSON lines, to ``events`` (a text stream; default stdout, shared with the script's prints).
         config: any other ``TrainerConfig`` field, e.g. ``matchmaking_time``, ``averaging_timeout``,
             ``allreduce_timeout``, ``next_chunk_timeout``, ``vote_timeout``, ``state_timeout`` (seconds).
@@ -219,7 +221,8 @@ def train(task: type[Task], run_id: str, *, peers: Sequence[str] = (), create: b
                         initial_peers=parse_maddrs(peers, what="peers", peer_ids=True),
                         **({"listen": parse_maddrs(listen, what="listen")} if listen else {}))
     opts = JoinOptions(run_id=run_id, task=task.name if create else None,
-                       sets={k: str(v) for k, v in (sets or {}).items()}, seed=DEFAULT_SEED, swarm=swarm,
+                       sets={k: str(v) for k, v in (sets or {}).items()}, seed=DEFAULT_SEED if seed is None else seed,
+                       swarm=swarm,
                        trainer=TrainerConfig(batch_size=batch_size, device=device, max_steps=max_steps,
                                              min_peers=min_peers, **config))
     sink = Events(json_mode=json, stream=events)

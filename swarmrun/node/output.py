@@ -9,7 +9,7 @@ import json
 import logging
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 
 class _Context(logging.Filter):
@@ -100,6 +100,22 @@ class Events:
         else:
             self._stop_live()
             (self.errors if event == "error" else self.console).print(_human(event, fields))
+
+    def table(self, title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
+        """A rich table on a terminal; piped, the title and then one tab-separated line a row (a header first):
+        never boxed or wrapped, so each row is one line for grep, cut and awk (issue 19)."""
+        self._stop_live()
+        if self.console.is_terminal:
+            from rich.table import Table
+
+            table = Table(*columns, title=title or None)
+            for row in rows:
+                table.add_row(*row)
+            self.console.print(table)
+            return
+        lines = ([title] if title else []) + ["\t".join(columns)] + ["\t".join(row) for row in rows]
+        self.stream.write("".join(line + "\n" for line in lines))
+        self.stream.flush()
 
     def _progress_line(self, f: dict) -> None:
         from rich.text import Text

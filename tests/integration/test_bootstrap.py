@@ -77,3 +77,19 @@ def test_swarm_faster_than_the_transfer_still_admits_the_joiner(tmp_path):
             time.sleep(0.2)
         _leave_all(swarm)
         _assert_one_state_per_step(swarm)
+
+
+def test_sigint_to_the_joiners_pid_alone_stops_it_while_it_bootstraps(tmp_path):
+    """A supervisor signals the peer's pid, not its group (issue 19: such a SIGINT was ignored during bootstrap,
+    since starting hivemind's averager set SIGINT to "ignore"). The providers hold their state's last chunk for
+    half a chunk timeout (10 s), which keeps the joiner in its bootstrap when the signal comes."""
+    held = {"SWARMRUN_FAULTS": "hold@serve:steps=1000000"}
+    with Swarm(tmp_path, "held") as swarm:
+        swarm.create("p0", "--task", "synthetic", *LONG_RUN, "--set", "chunk_size=512", "--min-peers", "2", env=held)
+        swarm.join("p1", "--matchmaking-time", "1.0", env=held)
+        swarm.wait_for("p0", "step", timeout=120)
+        swarm.join("late", "--matchmaking-time", "1.0")
+        swarm.wait_for("late", "transfer_progress", timeout=120)
+        swarm.peers["late"].proc.send_signal(signal.SIGINT)
+        assert swarm.wait_exit("late", timeout=30) == 0
+        assert swarm.events("late", "left_early") and not swarm.events("late", "bootstrapped"), swarm.log("late")

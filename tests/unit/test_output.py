@@ -32,3 +32,15 @@ def test_piped_output_is_one_line_a_record_and_errors_go_to_stderr(capsys):
     lines = out.getvalue().splitlines()
     assert len(lines) == 1 and lines[0].startswith("snapshot:") and "x" * 120 + "@3 " in lines[0]
     assert "bad flag" in capsys.readouterr().err
+
+
+def test_a_piped_table_is_tab_separated_lines_one_a_row():
+    """`node status` and `node runs` piped: no box, no wrap, a header line, then one line a row."""
+    out = io.StringIO()
+    events = Events(json_mode=False, stream=out)
+    long = "y" * 150
+    events.table("run r: step 3/10", ("peer", "step", "where"), [("a1", "3", long), ("b2", "2", "-")])
+    assert out.getvalue().splitlines() == ["run r: step 3/10", "peer\tstep\twhere", f"a1\t3\t{long}", "b2\t2\t-"]
+    out.truncate(0), out.seek(0)
+    events.table("", ("run_id", "state"), [])
+    assert out.getvalue() == "run_id\tstate\n"

@@ -67,9 +67,6 @@ def add_parsers(sub) -> None:
 
 def run_join(args, events) -> int:
     from swarmrun.protocol.errors import UsageError
-    from swarmrun.node.peer.build import DEFAULT_SEED
-    from swarmrun.node.peer.join import JoinOptions, run_peer
-    from swarmrun.node.peer.trainer import TrainerConfig
 
     if args.batch_size <= 0:
         raise UsageError("--batch-size must be positive")
@@ -87,6 +84,11 @@ def run_join(args, events) -> int:
             if value <= 0 or sets.get(key, str(value)) != str(value):
                 raise UsageError(f"--{key.replace('_', '-')} must be positive and agree with --set {key}")
             sets[key] = str(value)
+    # only now torch and hivemind: a usage error comes at once (issue 19: every mistyped value took seconds)
+    from swarmrun.node.peer.build import DEFAULT_SEED
+    from swarmrun.node.peer.join import JoinOptions, run_peer
+    from swarmrun.node.peer.trainer import TrainerConfig
+
     snapshot = None
     if args.snapshot_to is not None:
         from swarmrun.node.peer.snapshots import SnapshotOptions

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from swarmrun.node.cli.common import EXIT_CODES, parse_sets
@@ -222,18 +221,7 @@ def run_runs(args, events) -> int:
         for run in runs:
             events.emit("run", **run)
         return 0
-    if sys.stdout.isatty():
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(*_COLUMNS)
-        for run in runs:
-            table.add_row(*("-" if run.get(c) is None else str(run[c]) for c in _COLUMNS))
-        Console().print(table)
-    else:
-        print("\t".join(_COLUMNS))
-        for run in runs:
-            print("\t".join("-" if run.get(c) is None else str(run[c]) for c in _COLUMNS))
+    events.table("", _COLUMNS, [["-" if run.get(c) is None else str(run[c]) for c in _COLUMNS] for run in runs])
     return 0
 
 

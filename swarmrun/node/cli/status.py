@@ -72,26 +72,18 @@ def run_status(args, events) -> int:
     if events.json_mode:
         events.emit("status", **status)
         return 0
-    from rich.table import Table
-
     budget = "" if status.get("total_samples") is None else \
         f" (planned; samples {status['samples_applied']}/{status['total_samples']})"
-    table = Table(title=f"run {status['run_id']} ({status['task']}): step {status['step']}/{status['total_steps']}{budget}, "
-                        f"{status['samples_per_second']} samples/s{', finished' if status['finished'] else ''}")
-    for col in ("peer", "role", "step", "samples", "samples/s", "state_hash", "age"):
-        table.add_column(col)
-    for p in status["peers"]:
-        table.add_row(p["peer_id"][-10:], p["role"], str(p["step"]), str(p["samples"]), str(p["samples_per_second"]),
-                      p["state_hash"][:12], f"{p['age_s']}s")
-    events.console.print(table)
+    events.table(f"run {status['run_id']} ({status['task']}): step {status['step']}/{status['total_steps']}{budget}, "
+                 f"{status['samples_per_second']} samples/s{', finished' if status['finished'] else ''}",
+                 ("peer", "role", "step", "samples", "samples/s", "state_hash", "age"),
+                 [(p["peer_id"][-10:], p["role"], str(p["step"]), str(p["samples"]), str(p["samples_per_second"]),
+                   p["state_hash"][:12], f"{p['age_s']}s") for p in status["peers"]])
     if status["providers"]:
-        served = Table(title="providers (state that joiners fetch)")
-        for col in ("peer", "step", "state_hash", "MiB", "step records", "serving", "keeper"):
-            served.add_column(col)
-        for p in status["providers"]:
-            served.add_row(p["peer_id"][-10:], str(p["step"]), p["state_hash"][:12], str(p["mib"]),
-                           str(p["step_records"]), str(p["serving"]), "yes" if p["keeper"] else "")
-        events.console.print(served)
+        events.table("providers (state that joiners fetch)",
+                     ("peer", "step", "state_hash", "MiB", "step records", "serving", "keeper"),
+                     [(p["peer_id"][-10:], str(p["step"]), p["state_hash"][:12], str(p["mib"]), str(p["step_records"]),
+                       str(p["serving"]), "yes" if p["keeper"] else "") for p in status["providers"]])
     else:
         events.console.print("providers: none announced")
     if status["blocks_applied"] is None:
@@ -105,6 +97,11 @@ def run_status(args, events) -> int:
 
 def add_parser(sub) -> None:
     s = sub.add_parser("status", help="the swarm of a run as it stands: peers, steps, samples/s, roles",
+                       description="The swarm of a run as it stands: peers, steps, samples/s, roles, providers and "
+                                   "the data cursor. It starts a short-lived client node of the swarm (its own "
+                                   "p2p daemon, a DHT lookup of the run's records): a few seconds, most of them "
+                                   "the daemon's start. Piped, each table is tab-separated lines; --json: one "
+                                   "object.",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("run_id", metavar="RUN_ID")
     swarm_args(s, listen=False)
