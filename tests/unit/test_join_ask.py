@@ -19,7 +19,7 @@ def _report(step: int) -> ProgressReport:
 
 def _catch_up(swarm_step: int, my_step: int) -> CatchUp:
     view = SwarmView(reports={"QmOther": _report(swarm_step), "QmMe": _report(my_step)})
-    return CatchUp(dht=None, spec=SimpleNamespace(run_id="r"), config=SimpleNamespace(state_timeout=60.0),
+    return CatchUp(dht=None, spec=SimpleNamespace(run_id="r"), config=SimpleNamespace(state_timeout=60.0, report_ttl=8.0),
                    events=None, peer_id="QmMe", state=SimpleNamespace(step=my_step), served=None,
                    reporter=SimpleNamespace(view=view), stop_requested=asyncio.Event(), replay=None, record_bytes=1)
 
@@ -50,6 +50,23 @@ def test_asks_stop_after_max_misses_and_when_the_others_are_gone(monkeypatch):
     lone.left_out()
     lone.reporter.view = SwarmView(reports={"QmMe": _report(10)})  # no other trainer is live: nothing to wait for
     assert not lone.waiting()
+
+
+def test_an_asker_holding_the_newest_step_of_a_stalled_swarm_stops_waiting(monkeypatch):
+    """CI's smoke trace: the asker's partner left, the last trainer would not step alone and counted the asker out
+    while it waited for a step only the two of them could take; the trainer gave up after 50 rounds in 17 s."""
+    now = [1000.0]
+    monkeypatch.setattr(catchup_mod.time, "monotonic", lambda: now[0])
+    up = _catch_up(swarm_step=28, my_step=28)
+    assert up.left_out() == 30 and up.waiting()
+    now[0] += 5.0
+    assert up.waiting()  # within a report TTL: the swarm may just be between steps
+    now[0] += 4.0
+    assert not up.waiting() and up.joining is None  # 9 s without a step, and it holds the newest: it trains
+    behind = _catch_up(swarm_step=28, my_step=25)
+    behind.left_out()
+    now[0] += 20.0
+    assert behind.waiting()  # behind the swarm's newest step: it catches up first (a stall is not its to end)
 
 
 def test_rounds_abandoned_in_a_row_end_in_exit_3():

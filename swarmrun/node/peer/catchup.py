@@ -64,6 +64,7 @@ class CatchUp:
         # how many times in a row it was left out
         self.joining: Optional[int] = None
         self._join_until, self._missed_at, self.misses = 0.0, 0.0, 0
+        self._newest: tuple[int, float] = (-1, 0.0)  # the swarm's newest step as this peer last saw it move, and when
         self._forked = False  # in this catch-up, a step record of the swarm's started from another state at our step
 
     def behind(self) -> bool:
@@ -106,13 +107,21 @@ class CatchUp:
 
     def waiting(self) -> bool:
         """Whether this peer waits for the step it asked to be planned in. It stops waiting there, when no other
-        trainer is live, or after ``state_timeout`` (a swarm that stopped stepping). Caught up past it, it was left
+        trainer is live, when it holds the swarm's newest step and that has not moved for a report TTL, or after
+        ``state_timeout``. Caught up past it, it was left
         out again (the others read the ask too late, or gave up waiting for its part): it asks further ahead."""
         if self.joining is not None and self.state.step > self.joining and time.monotonic() < self._join_until:
             logger.info(f"the swarm went past step {self.joining} without this peer; asking for step "
                         f"{self.left_out()}")
+        now, newest = time.monotonic(), self.reporter.view.newest_step
+        if newest != self._newest[0]:
+            self._newest = (newest, now)
+        # a swarm that stopped stepping while this peer holds its newest step is no fast swarm: it may be waiting for
+        # this peer (CI's smoke trace: the asker's partner left, the last trainer would not step alone, and it gave
+        # up after 50 rounds in 17 s while the asker waited for a step only they together could take)
+        stalled = self.state.step >= newest and now - self._newest[1] > self.config.report_ttl
         if self.joining is not None and (
-                self.state.step >= self.joining or time.monotonic() > self._join_until
+                self.state.step >= self.joining or now > self._join_until or stalled
                 or not any(p != self.peer_id for p in self.reporter.view.trainers)):
             self.joining = None
         return self.joining is not None
