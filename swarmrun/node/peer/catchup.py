@@ -108,8 +108,8 @@ class CatchUp:
     def waiting(self) -> bool:
         """Whether this peer waits for the step it asked to be planned in. It stops waiting there, when no other
         trainer is live, when it holds the swarm's newest step and that has not moved for a report TTL, or after
-        ``state_timeout``. Caught up past it, it was left
-        out again (the others read the ask too late, or gave up waiting for its part): it asks further ahead."""
+        ``state_timeout``. Caught up past it, it was left out again (the others read the ask too late, or gave up
+        waiting for its part): it asks further ahead."""
         if self.joining is not None and self.state.step > self.joining and time.monotonic() < self._join_until:
             logger.info(f"the swarm went past step {self.joining} without this peer; asking for step "
                         f"{self.left_out()}")
