@@ -116,7 +116,11 @@ def my_quota(plan: StepPlan, view: SwarmView, *, me: str, step: int, samples: in
 
     A member at this step that published its part counts with it (or with what it already computed, if more);
     one not yet at this step counts with its part of this plan. A shortfall goes to the first member, a surplus
-    comes off the last one's part (never below what it computed already).
+    comes off the last one's part (never below what it computed already). And no part reaches past what the
+    others at this step already computed: a trainer that joined while one of them held most of the step (its
+    partner killed, its plan's surplus on a member that is gone) brought its whole part on top, and the step carried
+    272 samples for 256 (CI's outer trace). Computed samples are brought to the round; should their peer die, the
+    round falls short and its first member computes the rest.
     """
     mine = plan.quotas.get(me, 0)
     planned = dict(plan.quotas)
@@ -130,7 +134,8 @@ def my_quota(plan: StepPlan, view: SwarmView, *, me: str, step: int, samples: in
         mine += gap
     elif gap < 0 and me == plan.members[-1]:
         mine = max(samples, mine + gap)
-    return mine
+    computed = sum(r.samples for p, r in view.trainers.items() if p != me and r.step == step and not r.left)
+    return min(mine, max(samples, plan.target - computed))
 
 
 def others_planned(view: SwarmView, *, me: str, step: int) -> int:

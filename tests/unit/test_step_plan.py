@@ -143,6 +143,24 @@ def test_a_short_sum_of_published_parts_goes_to_the_first_member_a_surplus_off_t
     assert my_quota(plan_b, over, me="b", step=3, samples=16) == 16
 
 
+def test_no_part_reaches_past_what_the_others_at_the_step_already_computed():
+    """CI's outer trace: "a" held 224 of a 256-sample step when its partner "z" was killed (its report still live,
+    a part of 32 published); joiner "b" planned a third of the step and the surplus fell on "z", the last member,
+    which was gone: b brought 48 and the step carried 272. Its part is what the others' computed samples leave."""
+    view = SwarmView(reports={"a": report(6, 1.0, samples=224, quota=224), "z": report(6, 1.0, quota=32),
+                              "b": report(6)})
+    plan = plan_step(view, me="b", step=6, my_rate=1.0, target=256, block_size=8)
+    assert plan.quotas["b"] > 32  # its share of the plan by speed
+    assert my_quota(plan, view, me="b", step=6, samples=0) == 32
+    assert my_quota(plan, view, me="b", step=6, samples=40) == 40  # what it computed is never given back
+    done = SwarmView(reports={**view.reports, "z": report(6, 1.0, samples=32, quota=32)})
+    assert my_quota(plan, done, me="b", step=6, samples=0) == 0
+    assert ready_for_round(done, me="b", step=6, samples=0, quota=0, target=256)  # it joins the round empty-handed
+    # one that said it left brings nothing: its computed samples leave room
+    gone = SwarmView(reports={**view.reports, "z": report(6, 1.0, samples=32, quota=32, left=True)})
+    assert my_quota(plan, gone, me="b", step=6, samples=0) == 32
+
+
 def test_entering_the_round_and_its_eta():
     view = SwarmView(reports={"me": report(3), "b": report(3, 8.0, samples=16, quota=48), "c": report(2, 1.0)})
     assert not ready_for_round(view, me="me", step=3, samples=24, quota=32, target=80)
