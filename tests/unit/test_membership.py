@@ -121,3 +121,35 @@ def test_a_stopped_trainer_serves_a_keeper_that_is_behind_until_it_caught_up(mon
     assert asyncio.run(r.hand_to_keepers(13, within=5.0)) and not published  # no keeper live and behind: no DHT call
     r.view, r.dht = SwarmView(reports={"k": keeper(5)}), SimpleNamespace(is_alive=lambda: False)
     assert not asyncio.run(r.hand_to_keepers(13, within=5.0)) and not published  # its DHT died: nothing to serve with
+
+
+def test_the_trainers_that_vanished_are_pinged_once_per_report_ttl():
+    """``Reporter.reconnect`` (hivemind forgets a node that did not answer; after a partition's heal the sides never
+    met again): the trainers pinged are those of the membership not in the view, not one that said it left, and a
+    ping goes out once per report TTL."""
+    r = make({"a": rep(), "b": rep(), "c": rep()})
+    calls = []
+
+    class DHTStub:
+        def run_coroutine(self, fn, return_future=False):
+            calls.append(sorted(fn.keywords["peer_ids"]))
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(fn.keywords["peer_ids"][:1])
+            return future
+
+    r.dht = DHTStub()
+    r.view = SwarmView(reports={"me": rep(), "c": rep(left=True)})
+    r.recently_live()
+    assert r.lost() == ["a", "b"]
+
+    async def ticks():
+        for _ in range(3):
+            r._reconnect_due()
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+
+    asyncio.run(ticks())
+    assert calls == [["a", "b"]]
+    r.view = SwarmView(reports={"me": rep(), "a": rep(), "b": rep()})
+    r.recently_live()
+    assert r.lost() == []

@@ -6,6 +6,7 @@ and the key that signs what the peer publishes (the spec of a run it creates).
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import glob
 import hashlib
@@ -20,7 +21,7 @@ import multihash
 from cryptography.hazmat.primitives import serialization
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.multiaddr import Multiaddr
@@ -283,6 +284,24 @@ def start_dht(config: SwarmConfig, *, run_ids: Sequence[str] = ()) -> tuple[DHT,
     except Exception as e:
         raise _classify_start_error(e, config) from None
     return dht, key
+
+
+async def ping_peers(_dht: DHT, node, *, peer_ids: Sequence[str], timeout: float) -> list[str]:
+    """Ping these peers from this DHT node (run in the DHT's process: ``DHT.run_coroutine``); the ones that answered.
+
+    hivemind drops a node that did not answer a request from its routing table and never looks for it again, nor
+    does that node look for this one: after a partition heals, each side had forgotten the other for good (a 3-peer
+    namespace run: the cut-off peer read no report of the others in the 40 s after the heal, at step 8 while they
+    went on to 756). An answered ping puts each node back in the other's table (``DHTProtocol.call_ping``); p2pd
+    still knows the addresses of a peer it was connected to."""
+    async def one(peer: str) -> bool:
+        try:
+            return await asyncio.wait_for(node.protocol.call_ping(PeerID.from_base58(peer)), timeout) is not None
+        except Exception:
+            return False
+
+    answered = await asyncio.gather(*(one(p) for p in peer_ids))
+    return [p for p, ok in zip(peer_ids, answered) if ok]
 
 
 def _classify_start_error(e: Exception, config: SwarmConfig) -> SwarmrunError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import Callable, Optional
 
 from hivemind import DHT
@@ -13,6 +14,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from swarmrun.node import faults
 from swarmrun.node.net.records import read_view
+from swarmrun.node.net.swarm import ping_peers
 from swarmrun.node.runtime import await_future
 from swarmrun.protocol.round import ProgressReport, Role, SwarmView, progress_key
 from swarmrun.protocol.spec import Spec
@@ -49,6 +51,7 @@ class Reporter:
         self._first_read: Optional[float] = None  # when this peer first read the run's reports (monotonic)
         self._published = 0.0  # when the progress report was last stored (monotonic)
         self._announced: tuple = ((), 0.0)  # what the last stored provider record said, and when
+        self._pinged, self._pinging = 0.0, None  # the last ``reconnect`` (monotonic) and its task
 
     def _provider_due(self, record: ProviderRecord) -> bool:
         """A provider record changes at a commit (or as transfers start and end): stored when it says something new,
@@ -144,6 +147,31 @@ class Reporter:
         self._waiting_alone = bool(gone)
         return len(gone)
 
+    def lost(self) -> list[str]:
+        """Trainers of the membership (``members``) not in the view now: vanished without saying they left."""
+        return sorted(p for p in self._members if p != self.peer_id and p not in self.view.trainers)
+
+    async def reconnect(self) -> None:
+        """Ping the ``lost`` trainers through this peer's DHT node (``net.swarm.ping_peers``: hivemind forgets a node
+        that did not answer and never looks for it again, so the two sides of a healed partition never met)."""
+        lost = self.lost()
+        try:
+            found = await await_future(self.dht.run_coroutine(
+                partial(ping_peers, peer_ids=lost, timeout=self.config.report_ttl / 2), return_future=True),
+                self.config.report_ttl)
+        except Exception as e:
+            logger.debug(f"could not ping the trainers that vanished: {e!r}")
+            return
+        if found:
+            logger.info(f"{len(found)} of {len(lost)} trainer(s) that vanished answered again: back in the DHT")
+
+    def _reconnect_due(self) -> None:
+        if time.monotonic() - self._pinged < self.config.report_ttl or not self.lost():
+            return
+        if self._pinging is None or self._pinging.done():
+            self._pinged = time.monotonic()
+            self._pinging = asyncio.ensure_future(self.reconnect())
+
     async def hand_to_keepers(self, step: int, within: float) -> bool:
         """A trainer leaving on a stop (a hand-back, a preemption, a signal, its max steps): while a live keeper
         reports an older step than ``step``, keep announcing and serving this peer's state (its caller stops the
@@ -183,12 +211,20 @@ class Reporter:
             await asyncio.sleep(self.config.report_interval)
 
     async def forever(self) -> None:
+        try:
+            await self._forever()
+        finally:
+            if self._pinging is not None:
+                self._pinging.cancel()
+
+    async def _forever(self) -> None:
         last_revocations = 0.0
         while True:
             if time.monotonic() - self._published >= self.config.report_interval / 2:
                 await self.publish()  # not again right after a commit's publish_and_read
             try:
                 await self.refresh()
+                self._reconnect_due()
                 if self.spec.access != "open" and time.monotonic() - last_revocations > REVOCATIONS_EVERY:
                     await self.gate.refresh(self.dht)  # the owner's revocations
                     last_revocations = time.monotonic()
