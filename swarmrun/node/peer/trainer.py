@@ -249,17 +249,15 @@ class Trainer:
         return met and alone_ok and not self.holding and not self.reporter.watching()
 
     def _alone(self) -> bool:
-        """``Reporter.alone``: no other trainer live within the report TTL (one missed read is no vanished peer), or
-        only ones waiting for a later step they asked for; and not a newcomer still watching the run."""
+        """``Reporter.alone``: no other trainer live within the report TTL, or only ones waiting for a later step."""
         return self.reporter.alone()
 
     def _my_quota(self) -> int:
-        """This peer's part of the next step (``protocol.plan``); once no free block is left to it, what it has."""
+        """This peer's part (``protocol.plan``): the whole step when alone; what it has once no free block is left."""
         if self.spent_at and time.monotonic() - self.spent_at < 2 * self.config.report_interval:
             return self.samples
-        if self._alone():  # no other trainer brings a part: the whole step is this peer's (run_round commits it
-            return max(self._target(), self.floor)  # alone). CI: a round member that left stayed planned, 24 of 64
-        quota = my_quota(self._plan(), self.view, me=self.peer_id, step=self.state.step, samples=self.samples)
+        quota = self._target() if self._alone() else my_quota(self._plan(), self.view, me=self.peer_id,
+                                                              step=self.state.step, samples=self.samples)
         return max(quota, self.floor)
 
     def _plan(self):
