@@ -138,18 +138,21 @@ class Reporter:
     def vanished(self, within: float) -> int:
         """Trainers that were live within ``within`` seconds, are not now and did not say they left (it warns once
         per such spell: a peer alone waits for them, ``TrainerConfig.alone_after``)."""
-        now = time.monotonic()
-        gone = [p for p, t in self._members.items()
-                if p != self.peer_id and p not in self.view.trainers and now - t <= within]
+        gone = self._gone(within)
         if gone and not self._waiting_alone:
             logger.warning(f"{len(gone)} trainer(s) vanished without saying they left: not stepping alone for up "
                            f"to {within:.0f}s (a partition looks like a crash from here)")
         self._waiting_alone = bool(gone)
         return len(gone)
 
+    def _gone(self, within: float) -> list[str]:
+        now = time.monotonic()
+        return sorted(p for p, t in self._members.items()
+                      if p != self.peer_id and p not in self.view.trainers and now - t <= within)
+
     def lost(self) -> list[str]:
         """Trainers of the membership (``members``) not in the view now: vanished without saying they left."""
-        return sorted(p for p in self._members if p != self.peer_id and p not in self.view.trainers)
+        return self._gone(MEMBERSHIP_MEMORY)
 
     async def reconnect(self) -> None:
         """Ping the ``lost`` trainers through this peer's DHT node (``net.swarm.ping_peers``: hivemind forgets a node

@@ -249,7 +249,7 @@ class Trainer:
         return met and alone_ok and not self.holding and not self.reporter.watching()
 
     def _alone(self) -> bool:
-        """``Reporter.alone``: no other trainer live within the report TTL, or only ones waiting for a later step."""
+        """``Reporter.alone``: no other trainer live lately (askers for a later step aside); not a newcomer watching."""
         return self.reporter.alone()
 
     def _my_quota(self) -> int:
