@@ -5,8 +5,8 @@ The runner starts the coordinator (SQLite in its state dir, or ``--db``), one ag
 clears residents' flags, and SIGKILLs and restarts the coordinator. Placement, preemption, pauses, resumes and
 every peer are the pool's own. Every process's ``--json`` events are pumped into one queue; the main loop is one
 bounded ``while`` over it. ``finally`` stops the agents (SIGTERM: they stop their peers as on a shutdown), then
-SIGKILLs every process group started (the coordinator's, the agents', and each peer's from ``peer_started``),
-waits for them, reads the peers' event files and the registry's event log, and deletes the state dirs.
+SIGKILLs every process group started (the coordinator's, the agents', each peer's from ``peer_started`` and,
+once the coordinator is gone, each keeper's from ``keeper_started``), waits for them, reads the peers' event files and the registry's event log, and deletes the state dirs.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class PoolSimulation:
         self.sink: queue.Queue = queue.Queue()
         self.procs: dict[str, PeerProcess] = {}  # coordinator.k, agent ids
         self.peer_pids: dict[int, str] = {}  # pid of a peer's group -> its key worker/run/k
+        self.closed: set[str] = set()  # keys of the processes whose output ended
+        self.keeper_pids: set[int] = set()  # the coordinators' keepers (each its own session: not in their group)
         self.rec = PoolRecord(trace=trace.name, workers=trace.worker_ids,
                               runs={r.run_id: dict(vars(r), sets=dict(r.sets)) for r in trace.runs.values()},
                               db=self.db.split("://")[0])
@@ -162,12 +164,15 @@ class PoolSimulation:
     # ---- events of the pool's processes -----------------------------------------------------------------
     def _on_event(self, key: str, event: Optional[dict]) -> None:
         if event is None:
+            self.closed.add(key)
             return
         t = self._t(event)
         if key.startswith("coordinator."):
             self.rec.coordinator_out.append((t, key, event))
             if event.get("event") == "serving" and self.restart is not None:
                 self._restarted(t)
+            elif event.get("event") == "keeper_started":
+                self.keeper_pids.add(int(event["pid"]))
             return
         self.rec.agent_events.append((t, key, event))
         kind = event.get("event")
@@ -294,6 +299,14 @@ class PoolSimulation:
         except queue.Empty:
             pass
 
+    def _drain_until_closed(self, keys: list[str], deadline: float) -> None:
+        """Handle events until each process of ``keys`` closed its output (its pump's last item), or ``deadline``."""
+        while not self.closed >= set(keys) and time.monotonic() < deadline:
+            try:
+                self._on_event(*self.sink.get(timeout=0.2))
+            except queue.Empty:
+                continue
+
     def _due(self, ev: PoolEvent) -> bool:
         if ev.time is not None:
             return self.now() >= ev.time
@@ -336,6 +349,11 @@ class PoolSimulation:
                 p.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        # a keeper is its own session: the coordinator's death only SIGTERMs it (a leave of up to LEAVE_GRACE).
+        # The coordinators are dead now, so no keeper starts after their last `keeper_started`, read here
+        self._drain_until_closed([key for key in self.procs if key.startswith("coordinator.")], time.monotonic() + 10)
+        kill_groups(self.keeper_pids)
+        groups += sorted(self.keeper_pids)
         self.cleaned = wait_groups_gone(groups, time.monotonic() + 15)
         self.rec.cleaned = self.cleaned
         _remove_stale_sockets(self.sockets_before)

@@ -19,6 +19,7 @@ again.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -37,9 +38,11 @@ STOP_TIMEOUT = 20.0
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # in the child, before exec
+def _die_with_parent(parent: int) -> None:  # in the child, before exec
     os.setsid()
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the coordinator died between the fork and the prctl: no signal will come
+        os._exit(1)
 
 
 def keeper_listen(listen: Sequence[str]) -> str:
@@ -98,7 +101,7 @@ class Keepers:
                 "--invite", str(state_dir / "invite"), "--listen", self.listen, "--json"]
         with open(state_dir / "keeper.jsonl", "ab") as out, open(state_dir / "keeper.log", "ab") as err:
             keeper.proc = subprocess.Popen(args, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                           preexec_fn=_die_with_parent)
+                                           preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         self.emit("keeper_started", run_id=run_id, pid=keeper.proc.pid)
 
     def _exited(self, run_id: str, keeper: _Keeper) -> None:
