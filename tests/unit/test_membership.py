@@ -56,6 +56,10 @@ def test_a_trainer_waiting_for_the_step_it_asked_for_leaves_this_peer_alone():
     a read missed still is, for the report TTL (a view-based test let two peers commit alone at once)."""
     r = make({"joiner": rep(16, joining=18)})
     assert r.recently_live() == 1
+    # ... until this peer stands at the step the joiner asked for: there it is planned in, and live (counted nowhere,
+    # a creator whose solo steps were shorter than a catch-up committed every step alone while its joiners chased it)
+    r.view = SwarmView(reports={"me": rep(18), "joiner": rep(16, joining=18)})
+    assert r.recently_live() == 2
     r = make({"b": rep(16)})
     r.view = SwarmView(reports={"me": rep()})  # b's report missed by one read
     assert r.recently_live() == 2

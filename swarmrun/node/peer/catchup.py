@@ -66,6 +66,7 @@ class CatchUp:
         self._join_until, self._missed_at, self.misses = 0.0, 0.0, 0
         self._newest: tuple[int, float] = (-1, 0.0)  # the swarm's newest step as this peer last saw it move, and when
         self._forked = False  # in this catch-up, a step record of the swarm's started from another state at our step
+        self._fork_checked: Optional[tuple[int, str]] = None  # the state ``_check_fork`` last read a record for
 
     def behind(self) -> bool:
         best = best_anchor(self.reporter.view)  # its own report counts once: two reports must carry an anchor
@@ -170,6 +171,8 @@ class CatchUp:
                     (choice.step < self.state.step and not self.behind()):
                 await asyncio.sleep(self.config.report_interval)  # nothing better to fetch yet
                 continue
+            if choice.step > self.state.step:
+                await self._check_fork(records, deadline)
             try:
                 frozen = await self._fetch_state(choice, deadline, how)
             except FetchFailed as e:  # unavailable (gone, replaced, unreachable) or lying providers: try again
@@ -223,6 +226,27 @@ class CatchUp:
         logger.info(f"fetched state of step {choice.step}: {stats.bytes / 2**20:.1f} MiB in {stats.seconds:.2f}s from "
                     f"{how['providers']} provider(s)" + (f", resumed {stats.resumed_chunks} chunks" if stats.resumed_chunks else ""))
         return frozen
+
+    async def _check_fork(self, records: dict, deadline: float) -> None:
+        """Before a state ahead replaces steps this peer committed outside a majority (its anchor is older than its
+        step: a split's minority that stepped alone, or a lone survivor), read the swarm's step record from this
+        peer's step: one that starts from another state is the evidence that those steps are discarded, and counted
+        (``_discarded``). A split's minority behind the majority otherwise re-synced with ``discarded`` 0 (a 3-peer
+        namespace run: 22 solo steps gone, none reported). No such record announced (the swarm went further than
+        the records its providers keep): no evidence, none counted."""
+        step, state_hash, anchor = self.served.position
+        if self._forked or anchor is None or anchor[0] >= step or self._fork_checked == (step, state_hash):
+            return
+        manifest_hash, sources = log_sources(records, step)
+        if manifest_hash is None:
+            return
+        self._fork_checked = (step, state_hash)  # once per state: an unanswered fetch does not hold every retry
+        try:
+            record, _ = await self.served.fetcher.fetch(manifest_hash, sources,
+                                                        deadline=min(deadline, time.monotonic() + RECORD_FETCH_TIMEOUT))
+            self._forked = read_step_record(record)[2] != state_hash
+        except IncompatibleState as e:
+            logger.info(f"step record {step} unavailable: {e}")
 
     async def _replay(self, records: dict, newest: int, deadline: float, how: dict) -> bool:
         """Replay announced step records from this peer's step towards ``newest``; True if any was replayed."""

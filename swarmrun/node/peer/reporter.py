@@ -101,9 +101,14 @@ class Reporter:
         """Trainers seen live within the report TTL (a high-water mark: a view that is still forming, at a start or
         under load, must not make a minority look like a majority)."""
         now = time.monotonic()
+        mine = self.view.reports.get(self.peer_id)
         for peer, r in self.view.trainers.items():
-            if r.joining is not None and r.joining > r.step:  # it waits for a later step: not in the rounds before
-                self._seen.pop(peer, None)  # (counted, it made every group of the others a minority: smoke trace)
+            # an asker waits for a later step: not in the rounds before (counted, it made every group of the others
+            # a minority: smoke trace). At the step it asked for it is planned in (``protocol.plan``) and live: not
+            # counted there, a creator whose solo steps were shorter than a catch-up committed every step alone and
+            # its joiners chased it for the whole run (a 3-peer namespace run, 90 s)
+            if r.joining is not None and r.joining > r.step and (mine is None or r.joining != mine.step):
+                self._seen.pop(peer, None)
             else:
                 self._seen[peer] = now
         self._seen = {p: t for p, t in self._seen.items() if now - t <= self.config.report_ttl}
