@@ -25,7 +25,11 @@ def test_a_joiner_left_out_by_a_fast_swarm_asks_for_a_step_ahead_and_trains_in_i
         swarm.join("late", "--matchmaking-time", "1.0", env={"SWARMRUN_FAULTS": "delay@report:ms=1000"})
         swarm.wait_for("late", "bootstrapped", timeout=120)
         step = swarm.wait_for("late", "step", timeout=120)  # a round with the others, not exit 5
-        assert step["group"] == 3, step
+        assert step["group"] >= 2, step
+        # then all three train together. The first may leave a partner out (CI, and 1 in 4 runs here: a round of the
+        # pair lost a part in hivemind's all-reduce as the joiner's matchmaking met them, and the joiner and one of
+        # them committed the next round as 2 of the 3 live trainers, a majority): a round of three follows
+        swarm.wait_for("late", "step", timeout=60, group=3)
         # how it got in: each round the others committed before it found them ended in an ask for a step ahead
         moved_on = [e for e in swarm.events("late", "round_abandoned") if "SwarmMovedOn" in e["reason"]]
         assert all(e.get("asks_for", 0) > e["step"] for e in moved_on), moved_on
