@@ -6,7 +6,8 @@ clears residents' flags, and SIGKILLs and restarts the coordinator. Placement, p
 every peer are the pool's own. Every process's ``--json`` events are pumped into one queue; the main loop is one
 bounded ``while`` over it. ``finally`` stops the agents (SIGTERM: they stop their peers as on a shutdown), then
 SIGKILLs every process group started (the coordinator's, the agents', each peer's from ``peer_started`` and,
-once the coordinator is gone, each keeper's from ``keeper_started``), waits for them, reads the peers' event files and the registry's event log, and deletes the state dirs.
+once the coordinator is gone, each keeper's from ``keeper_started``), waits for them, reads the peers' event
+files and the registry's event log, and deletes the state dirs.
 """
 
 from __future__ import annotations
