@@ -87,6 +87,7 @@ class Simulation:
         self.first_hash: dict = {}  # step -> (state_hash, key) of its first commit seen
         self.cleaned = False
         self.fired = 0
+        self.largest_round = 0  # the most peers in a round that committed a step so far (events' ``group``)
 
     # ---- clock ------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -130,6 +131,8 @@ class Simulation:
             args += ["--peers", *peers]
         args += ["--state-dir", str(self.state_root / name), "--device", "cpu", "--batch-size", str(tr.batch_size),
                  "--matchmaking-time", str(tr.matchmaking_time), "--min-peers", str(tr.min_peers)]
+        if tr.alone_after is not None:
+            args += ["--alone-after", f"{tr.alone_after:g}"]
         prefix, listen = self.links.attach(name, index)
         args += listen
         if any(e.kind == "pause" for e in self.events):
@@ -354,8 +357,7 @@ class Simulation:
             front = max((e.get("step", 0) for _, _, e in self.rec.of("step", "bootstrapped", "resumed")), default=0)
             while pending and self.finished_at is None and not self.holding:
                 i, ev = pending[0]
-                due = (ev.step is not None and front >= ev.step) or (ev.time is not None and t_run >= ev.time)
-                if not due:
+                if not is_due(ev, front=front, t_run=t_run, largest_round=self.largest_round):
                     break
                 pending.pop(0)
                 self.fired += 1
@@ -390,6 +392,8 @@ class Simulation:
                 self.holding = False
         elif kind == "step":
             self._check_live(t, key, event)
+            if isinstance(event.get("group"), int):
+                self.largest_round = max(self.largest_round, event["group"])
             if self.rec.total_steps and event.get("step", 0) >= self.rec.total_steps and self.finished_at is None:
                 self.finished_at = self.now()
             if key.startswith(self._reporter()):
@@ -462,6 +466,13 @@ class Simulation:
         self.rec.link_bytes = self.links.sent_bytes()
         self.links.close()
         shutil.rmtree(self.state_root, ignore_errors=True)
+
+
+def is_due(ev: Event, *, front: int, t_run: float, largest_round: int) -> bool:
+    """Whether a trace event fires now: its step reached (the newest committed step, ``front``) or its time
+    passed, and, with ``group``, a round of at least that many peers committed a step."""
+    due = (ev.step is not None and front >= ev.step) or (ev.time is not None and t_run >= ev.time)
+    return due and (ev.group is None or largest_round >= ev.group)
 
 
 def _signal(proc: PeerProcess, sig: int) -> None:

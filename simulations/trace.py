@@ -7,7 +7,9 @@ seed and the generator's index, so the same file and seed always give the same l
 diurnal workstations, a flash crowd. Faults are data, never code (STYLE.md 8 and 10).
 
 An event fires at ``time`` seconds after the first peer listens, or when the swarm's newest committed step
-reaches ``step`` (robust on a loaded machine). Kinds and their fields:
+reaches ``step`` (robust on a loaded machine). An event with ``group`` as well waits, past its time or step, for
+the first step committed by a round of at least that many peers (a fault that must hit a swarm already training
+together, whatever its joiners' speed). Kinds and their fields:
 
 | kind | fields | what the runner does |
 |---|---|---|
@@ -69,6 +71,7 @@ class Event:
     rate: Optional[str] = None
     percent: Optional[float] = None
     ms: Optional[float] = None  # latency: the one-way delay
+    group: Optional[int] = None  # also waits for a step committed by a round of at least this many peers
     source: str = "events"  # "events" or "generators[i]": where the event came from
 
     def to_dict(self) -> dict:
@@ -91,6 +94,7 @@ class Trace:
     links: bool = False
     link_rate: Optional[str] = None  # every peer's link, when links is true (None: unshaped veth)
     leave_timeout: float = 30.0
+    alone_after: Optional[float] = None  # every peer's --alone-after (None: the CLI's default)
     latency_ms: Optional[float] = None  # one-way delay of every peer's proxy; None (and no latency event): no proxies
     loss_tolerance: float = 0.02  # final eval loss vs the baseline's at equal samples (relative)
     loss_abs_tolerance: float = 0.0
@@ -153,7 +157,7 @@ def parse_trace(data: Any, *, default_name: str = "trace") -> Trace:
         if key in data:
             kw[key] = _int(data[key], key, lo=lo)
     for key, lo in (("matchmaking_time", 0.1), ("duration", 1.0), ("leave_timeout", 1.0),
-                    ("loss_tolerance", 0.0), ("loss_abs_tolerance", 0.0), ("latency_ms", 0.0)):
+                    ("loss_tolerance", 0.0), ("loss_abs_tolerance", 0.0), ("latency_ms", 0.0), ("alone_after", 0.0)):
         if key in data:
             kw[key] = _num(data[key], key, lo=lo)
     if "links" in data:
@@ -187,7 +191,7 @@ def parse_event(e: Any, where: str) -> Event:
     """
     if not isinstance(e, Mapping):
         raise TraceError(f"{where}: an object with time or step, peer and kind")
-    allowed = {"time", "step", "peer", "peers", "kind", "duration", "rate", "percent", "ms"}
+    allowed = {"time", "step", "peer", "peers", "kind", "duration", "rate", "percent", "ms", "group"}
     unknown = sorted(set(e) - allowed)
     if unknown:
         raise TraceError(f"{where}: unknown key(s) {', '.join(unknown)}")
@@ -206,6 +210,8 @@ def parse_event(e: Any, where: str) -> Event:
             raise TraceError(f"{where}.peer: kind {kind!r} needs a peer (a name or \"random\")")
     if "peer" in e:
         kw["peer"] = _name(e["peer"], f"{where}.peer")
+    if "group" in e:
+        kw["group"] = _int(e["group"], f"{where}.group", lo=1)
     if kind == "stall" and "duration" not in e:
         raise TraceError(f"{where}.duration: a stall needs a duration (seconds)")
     if "duration" in e:

@@ -3,8 +3,8 @@
 hivemind drops a DHT node that did not answer from its routing table and never looks for it again; the other side
 does the same. Before ``Reporter.reconnect`` a peer cut off for longer than a few DHT timeouts read no report of
 the others after the link healed, for good. The first test shows the mechanism on two real DHT nodes on loopback
-(each forgets the other as a failed request makes it); the second, a real partition of a 3-peer run in network
-namespaces.
+(each forgets the other as a failed request makes it); the other two, real partitions of a 3-peer run in network
+namespaces: one where the cut-off peer waits, one where it steps alone and its steps are given up at the reunion.
 """
 
 from __future__ import annotations
@@ -94,3 +94,45 @@ def test_a_peer_cut_off_by_a_partition_rejoins_the_run_after_the_heal(tmp_path):
     assert shared and all(majority[e["step"]] == e["state_hash"] for e in shared), rejoined[:3]
     # the majority kept its history (one of it may fetch a step it fell behind by at the heal: CI saw it)
     assert not [e for e in events if e.get("event") == "resync" and e["peer"] != "peer2.0" and e["discarded"]]
+
+
+@pytest.mark.timeout(300)
+def test_a_minority_that_stepped_alone_gives_its_steps_up_and_counts_them(tmp_path):
+    """``simulations/traces/split.json``: once the three peers have committed a step together, peer2 is cut off for
+    20 s, and with ``--alone-after 3`` it commits steps alone while peer0 and peer1 go on as a pair (a split). When
+    the two sides meet again the majority's history wins (DESIGN.md, "Commit semantics"): peer2 re-syncs to it and
+    reports the solo steps it gives up (``resync``'s ``discarded``); the majority gives up none, and after the heal
+    peer2's steps hold the majority's state. The harness drops the discarded history from its checks only as far
+    as ``discarded`` says, so an under-count fails ``state_hash_agrees``."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if shutil.which("nft") is None:
+        pytest.skip("nft (Debian's nftables) is not installed: the README's test command installs it")
+    out = tmp_path / "report"
+    command = [sys.executable, "-m", "simulations", "run", "simulations/traces/split.json", "--out", str(out),
+               "--json", "--no-baseline"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines and "invariants" in lines[-1], (lines[-1:], result.stderr[-3000:])
+    summary = lines[-1]
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    faults = json.loads((out / "lives.json").read_text())["faults"]
+    steps = [e for e in events if e.get("event") == "step"]
+    cut = next((e["t"] for e in faults if e["kind"] == "partition"), None)
+    healed = next((e["t"] for e in faults if e["kind"] == "partition_end"), None)
+    assert cut is not None and healed is not None, ("no round of all three, so no cut", faults,
+                                                    sorted({e["group"] for e in steps}))
+    mine = [e for e in steps if e["peer"] == "peer2.0"]
+    solo = [e for e in mine if cut < e["t"] < healed and e["group"] == 1]
+    assert solo, "peer2 never stepped alone during the cut: no split to heal"
+    back = [e for e in events if e["peer"] == "peer2.0" and e["t"] > healed and e.get("event") == "resync"]
+    assert back, "peer2 never re-synced to the majority after the heal"
+    # every step since its first solo one is given up, and none it committed with the others before the cut
+    last_shared = max(e["step"] for e in mine if e["t"] <= cut and e["group"] >= 2)
+    top = back[0]["from_step"]
+    assert top - solo[0]["step"] + 1 <= back[0]["discarded"] <= top - last_shared, (last_shared, solo[0], back[0])
+    assert not [e for e in events if e.get("event") == "resync" and e["peer"] != "peer2.0" and e["discarded"]]
+    majority = {e["step"]: e["state_hash"] for e in steps if e["peer"] == "peer0.0"}
+    rejoined = [e for e in steps if e["peer"] == "peer2.0" and e["t"] > back[0]["t"] and e["step"] in majority]
+    assert rejoined and all(majority[e["step"]] == e["state_hash"] for e in rejoined), rejoined[:3]
+    assert summary["invariants"]["state_hash_agrees"] is True, summary.get("problems")

@@ -78,6 +78,22 @@ def test_latency_puts_every_peer_behind_a_proxy_without_namespaces():
                                                  source="events[0]")
 
 
+def test_a_group_event_waits_for_a_round_of_that_many_peers():
+    from simulations.runner import is_due
+
+    trace = parse_trace({"seed": 0, "alone_after": 3, "links": True, "events": [
+        {"step": 5, "group": 3, "kind": "partition", "peers": ["peer2"], "duration": 25}]})
+    assert trace.alone_after == 3.0
+    ev = trace.expanded()[0]
+    assert ev.group == 3
+    assert not is_due(ev, front=4, t_run=60.0, largest_round=3)  # its step not reached
+    assert not is_due(ev, front=400, t_run=60.0, largest_round=2)  # no round of three yet, however far the steps
+    assert is_due(ev, front=5, t_run=0.0, largest_round=3)
+    plain = parse_trace({"seed": 0, "events": [{"time": 2, "peer": "peer1", "kind": "kill"}]}).expanded()[0]
+    assert plain.group is None and is_due(plain, front=0, t_run=2.0, largest_round=0)
+    assert parse_trace({"seed": 0}).alone_after is None  # the CLI's default
+
+
 @pytest.mark.parametrize("data, words", [
     ([], "JSON object"),
     ({"peers": 3}, "seed: missing"),
@@ -97,6 +113,8 @@ def test_latency_puts_every_peer_behind_a_proxy_without_namespaces():
     ({"seed": 1, "events": [{"time": 1, "peer": "peer1", "kind": "latency"}]}, "events[0].ms: a number"),
     ({"seed": 1, "events": [{"time": 1, "peer": "peer1", "kind": "latency", "ms": -5}]}, "events[0].ms: must be >= 0"),
     ({"seed": 1, "latency_ms": "fast"}, "latency_ms: a number"),
+    ({"seed": 1, "alone_after": -1}, "alone_after: must be >= 0"),
+    ({"seed": 1, "events": [{"time": 1, "peer": "peer1", "kind": "kill", "group": 0}]}, "events[0].group: must be >= 1"),
     ({"seed": 1, "generators": [{"kind": "mtbf"}]}, "generators[0].mtbf: a number"),
     ({"seed": 1, "generators": [{"kind": "spot", "every": 10, "wave": 1}]}, "unknown key(s) wave"),
     ({"seed": 1, "generators": [{"kind": "meteor"}]}, "generators[0].kind"),
