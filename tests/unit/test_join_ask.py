@@ -40,6 +40,15 @@ def test_an_ask_lies_ahead_of_the_swarm_and_doubles_per_miss():
     assert up.waiting() and up.joining == 56 + 8
 
 
+def test_a_round_with_the_others_ends_the_asks_in_a_row():
+    up = _catch_up(swarm_step=10, my_step=10)
+    for ahead in (2, 4, 8):  # left out three times while joining
+        assert up.left_out() - 10 == ahead
+    up.trained()  # then it trained in the swarm's rounds; later (a partition healed) it is left out once more
+    up.reporter.view = SwarmView(reports={"QmOther": _report(70)})
+    assert up.left_out() == 72  # two ahead again, not sixteen: a slow swarm takes 16 steps in half a minute
+
+
 def test_asks_stop_after_max_misses_and_when_the_others_are_gone(monkeypatch):
     up = _catch_up(swarm_step=10, my_step=10)
     for _ in range(catchup_mod.MAX_JOIN_MISSES):

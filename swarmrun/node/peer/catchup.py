@@ -106,6 +106,13 @@ class CatchUp:
         self._join_until = now + self.config.state_timeout
         return self.joining
 
+    def trained(self) -> None:
+        """This peer committed a step (in a round with the others, or alone): the next time it is left out counts as
+        the first. The count of asks in a row (each twice as far ahead) was kept across it: a peer
+        that had asked during its join and re-synced after a partition healed asked 17 steps ahead of a pair stepping
+        every 2 s, and chased it for the rest of the run (a 3-peer split trace, 1 run in 6)."""
+        self.misses = 0
+
     def waiting(self) -> bool:
         """Whether this peer waits for the step it asked to be planned in. It stops waiting there, when no other
         trainer is live, when it holds the swarm's newest step and that has not moved for a report TTL, or after

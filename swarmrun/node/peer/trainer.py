@@ -425,8 +425,7 @@ class Trainer:
             self.events.emit("eval", step=self.state.step, loss=loss)
 
     def _optimizer_step(self, grads: list[Optional[torch.Tensor]], applied: RangeSet) -> None:
-        """Step ``step -> step + 1`` with these gradients: the same code for a commit and for a replayed step
-        record, so a replay gives the committers' bits."""
+        """Step ``step -> step + 1`` with these gradients: one code for a commit and a replay (the same bits)."""
         for p, g in zip(self.params, grads):
             p.grad = None if g is None else g.to(p.device, dtype=p.dtype, copy=True)  # clipping works in place
         clip = float(self.spec.hparams.get("clip_norm", 0.0)) if self.work.clips_commit else 0.0
@@ -447,6 +446,7 @@ class Trainer:
             dt = (now - at) / max(1, self.state.step - step)  # a re-sync in between advanced several steps
             self.step_seconds = dt if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * dt
         self._last_commit = (now, self.state.step)
+        self.catchup.trained()  # it committed: its asks to be planned ahead (if it was left out before) start over
         self.served.publish()
         for hook in list(self.commit_hooks):
             try:
