@@ -108,9 +108,9 @@ class CatchUp:
 
     def trained(self) -> None:
         """This peer committed a step (in a round with the others, or alone): the next time it is left out counts as
-        the first. The count of asks in a row (each twice as far ahead) was kept across it: a peer
-        that had asked during its join and re-synced after a partition healed asked 17 steps ahead of a pair stepping
-        every 2 s, and chased it for the rest of the run (a 3-peer split trace, 1 run in 6)."""
+        the first. The count of asks in a row (each twice as far ahead) was kept across it: a peer that had asked
+        during its join and re-synced after a partition healed asked 16 steps past the swarm's newest, a pair stepping
+        every 1.5-4 s, and chased it for the rest of the run (the 3-peer split trace, 1 run in 6)."""
         self.misses = 0
 
     def waiting(self) -> bool:
