@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .checks import Record, eval_losses, final_cursor, joiners_reach_current_step, samples_per_step, work_lost
-from .stepstats import abandoned_by_reason, round_overhead, step_size_stats
+from .stepstats import abandoned_by_reason, distinct_abandoned, round_overhead, step_size_stats
 from .trace import KINDS
 
 PLOTS = ("loss_vs_samples.png", "peers_over_time.png", "step_rate.png", "bootstrap_times.png")
@@ -84,6 +84,7 @@ def step_figures(rec: Record) -> dict:
         round_overhead=dict(share=_round(overhead["share"], 4), steps=overhead["steps"],
                             reported=overhead["reported"]),
         rounds_abandoned_by_reason=abandoned_by_reason(e.get("reason") for _, _, e in rec.of("round_abandoned")),
+        rounds_abandoned_distinct=distinct_abandoned(e for _, _, e in rec.of("round_abandoned")),
     )
 
 
@@ -99,8 +100,13 @@ def human_lines(summary: dict) -> list[str]:
     lines.append("round overhead: " + (f"{share:.3f} of a step's wall time (mean over {overhead['steps']} steps)"
                                        if share is not None else "unknown (the peers report no round_overhead_s)"))
     by_reason = summary.get("rounds_abandoned_by_reason") or {}
-    lines.append(f"rounds abandoned: {summary.get('rounds_abandoned', 0)}"
+    lines.append(f"rounds abandoned: {summary.get('rounds_abandoned', 0)} reports"
                  + (" (" + ", ".join(f"{k}: {v}" for k, v in by_reason.items()) + ")" if by_reason else ""))
+    distinct = dict(summary.get("rounds_abandoned_distinct") or {})
+    if distinct:
+        total = distinct.pop("total", 0)
+        lines.append(f"rounds abandoned, each counted once: {total}"
+                     + (" (" + ", ".join(f"{k}: {v}" for k, v in distinct.items()) + ")" if distinct else ""))
     return lines
 
 

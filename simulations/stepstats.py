@@ -8,7 +8,9 @@ on recorded events. Three figures:
 - the **round overhead**: the share of a step's wall time between the swarm's reported samples reaching the target
   and the commit (the ``round_overhead_s`` field of each ``step`` event, over the time since that peer's previous
   ``step`` event); ``None`` when the peers do not report the field;
-- the **abandoned rounds by reason**: the free-text ``reason`` of ``round_abandoned`` events, put in a few classes.
+- the **abandoned rounds by reason**: the free-text ``reason`` of ``round_abandoned`` events, put in a few classes;
+  every member of a group reports the round it abandoned, so the same figures also count each round once
+  (``distinct_abandoned``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,27 @@ def abandoned_by_reason(reasons: Iterable[object]) -> dict[str, int]:
         cls = abandon_class(reason)
         counts[cls] = counts.get(cls, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def abandoned_round_key(event: Mapping, index: int) -> tuple:
+    """What one abandoned round is: its group's id (``round``) at its step, else its members (6-character ids, from
+    events of an earlier build) at its step; an attempt in which no group formed is this peer's own (``index``)."""
+    step = event.get("step")
+    if event.get("round"):
+        return step, str(event["round"])
+    if event.get("group"):
+        return step, tuple(sorted(str(p) for p in event["group"]))
+    return step, index
+
+
+def distinct_abandoned(events: Iterable[Mapping]) -> dict[str, int]:
+    """Abandoned rounds counted once each (not once per member that reported it), by reason class: the class of
+    the first report of each round (members may word one failure differently: the one that saw it first, and the
+    others that read its vote). ``total`` first, then the classes, the most frequent first."""
+    first: dict[tuple, object] = {}
+    for i, e in enumerate(events):
+        first.setdefault(abandoned_round_key(e, i), e.get("reason"))
+    return {"total": len(first), **abandoned_by_reason(first.values())}
 
 
 def percentile(values: Iterable[float], q: float) -> Optional[float]:

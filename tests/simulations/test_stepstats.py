@@ -6,7 +6,7 @@ import pytest
 
 from simulations.__main__ import main as sim_main
 from simulations.report import human_lines, step_figures
-from simulations.stepstats import abandon_class, abandoned_by_reason, percentile, round_overhead, step_size_stats, \
+from simulations.stepstats import abandon_class, abandoned_by_reason, distinct_abandoned, percentile, round_overhead, step_size_stats, \
     step_sizes
 from tests.simulations.test_checks import healthy, step
 from tests.simulations.test_report import SMOKE, write_record
@@ -92,12 +92,13 @@ def test_the_report_carries_the_step_figures_and_prints_them(tmp_path, capsys, m
     write_record(tmp_path / "run", rec)
     assert sim_main(["report", str(tmp_path / "run"), "--trace", SMOKE, "--no-baseline", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("rounds_abandoned_by_reason", "step_size", "step_size_p95_error", "round_overhead"):
+    for key in ("rounds_abandoned_by_reason", "rounds_abandoned_distinct", "step_size", "step_size_p95_error", "round_overhead"):
         assert summary[key] == json.loads(json.dumps(figures[key]))
     assert sim_main(["report", str(tmp_path / "run"), "--trace", SMOKE, "--no-baseline"]) == 0
     text = capsys.readouterr().out
     assert "samples per step (target 64): min 64, p50 64, p95" in text and "round overhead: 0.1" in text
-    assert "rounds abandoned: 2 (not a majority: 1, other: 1)" in text
+    assert "rounds abandoned: 2 reports (not a majority: 1, other: 1)" in text
+    assert "rounds abandoned, each counted once: 2 (not a majority: 1, other: 1)" in text
 
 
 def test_the_human_report_says_when_the_round_overhead_is_unknown():
@@ -105,7 +106,7 @@ def test_the_human_report_says_when_the_round_overhead_is_unknown():
     lines = human_lines(summary)
     assert summary["round_overhead"]["share"] is None
     assert any("unknown (the peers report no round_overhead_s)" in line for line in lines)
-    assert lines[-1] == "rounds abandoned: 0"
+    assert lines[-2:] == ["rounds abandoned: 0 reports", "rounds abandoned, each counted once: 0"]
 
 
 def test_reasons_of_the_planned_round_are_classified():
@@ -116,3 +117,19 @@ def test_reasons_of_the_planned_round_are_classified():
     assert abandon_class("local all-reduce incomplete: group of 1 is not a majority of 3 live trainers") \
         == "not a majority"
     assert abandon_class("local all-reduce incomplete: no accepted samples") == "no accepted samples"
+
+
+def test_a_round_abandoned_by_all_its_members_counts_once():
+    group = ["aaaaaa", "bbbbbb", "cccccc"]
+    short = "local all-reduce incomplete: round carries 200 samples, fewer than the step's 256"
+    events = [dict(step=7, round="ab12", group=group, reason=short) for _ in group]  # each member reports it
+    events += [dict(step=7, round="cd34", group=group[:2], reason="1 of 2 participants did not vote"),
+               dict(step=7, round="cd34", group=group[:2], reason="participant aaaaaa reports an incomplete all-reduce"),
+               dict(step=8, group=group, reason=short), dict(step=8, group=list(reversed(group)), reason=short),
+               dict(step=9, reason="no round formed: SwarmMovedOn: the swarm committed this step before a group formed"),
+               dict(step=9, reason="no round formed: SwarmMovedOn: the swarm committed this step before a group formed")]
+    # round ab12 once; cd34 once, by its first report; step 8's group (no id: an earlier build's events) once;
+    # every attempt in which no group formed is that peer's own
+    assert distinct_abandoned(events) == {"total": 5, "fewer than target": 2, "swarm moved on": 2, "did not vote": 1}
+    assert abandoned_by_reason(e["reason"] for e in events)["fewer than target"] == 5
+    assert distinct_abandoned([]) == {"total": 0}

@@ -316,8 +316,7 @@ class Trainer:
     async def run_round(self) -> None:
         """One attempt at the next step. Commits, or abandons and keeps the accumulated gradients (unless the round
         refused or left out its claim: those blocks are computed again)."""
-        if not self.ready_at:
-            self.ready_at = get_dht_time()
+        self.ready_at = self.ready_at or get_dht_time()  # when this peer's part was computed (the first attempt)
         if self._alone() and self.samples >= self._target():
             await self._commit_alone()
             return
@@ -369,8 +368,9 @@ class Trainer:
             short = self._target() - claims.samples
             taker = me >= 0 and me not in claims.refused and short > 0 and shortfall_taker(list(outcome.peer_ids),
                                                                                            me=self.peer_id)
-            self._abandon(result.decision.reason, parts=[m.samples for m in outcome.metas], quota=self.quota,
-                          group=[p[-6:] for p in outcome.peer_ids], takes_rest=short if taker else 0)
+            self._abandon(result.decision.reason, round=outcome.group_id.hex()[:12], quota=self.quota,
+                          parts=[m.samples for m in outcome.metas], group=[p[-6:] for p in outcome.peer_ids],
+                          takes_rest=short if taker else 0)
             if taker:
                 self.floor = self.samples + short  # the round fell short: this peer computes the rest
 
