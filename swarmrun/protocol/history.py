@@ -67,11 +67,17 @@ def run_accounting(view: SwarmView) -> Optional[dict[str, int]]:
 
 
 def best_anchor(view: SwarmView) -> Optional[Anchor]:
-    """The newest majority commit the swarm knows of: the newest anchor two live reports or more carry (a peer's own
-    report counts once). One report alone (a liar's, or one that lags) never decides: with a peer's own anchor as a
-    second voice, both sides of a 1-1 reunion ignored each other forever."""
-    backed = Counter(r.anchor for r in view.reports.values() if r.anchor is not None)
-    return max((a for a, n in backed.items() if n >= 2), default=None)
+    """The newest majority commit the swarm knows of: the newest anchor that two live reports or more back (a peer's
+    own report counts once). A report backs its own anchor and every anchor at an older step: the members of a
+    majority that steps faster than reports travel carry anchors a step or two apart (each report was written after
+    another commit), and counting only equal anchors found none backed twice, so the reunion fell back to "the newest
+    step wins" and a pair that had stepped as the majority re-synced to the lone side that had outstepped it after
+    the heal, its own steps lost and not counted (the split trace, 2 runs in 4). One report alone (a liar's, or one
+    that lags) never decides: with a peer's own anchor as a second voice, both sides of a 1-1 reunion ignored each
+    other forever; and a second anchor at the same step is no backing (a liar's hash at the majority's step)."""
+    anchors = Counter(r.anchor for r in view.reports.values() if r.anchor is not None)
+    backed = [a for a, n in anchors.items() if n + sum(m for b, m in anchors.items() if b[0] > a[0]) >= 2]
+    return max(backed, default=None)
 
 
 def outranked(step: int, anchor: Optional[Anchor], best: Optional[Anchor]) -> bool:

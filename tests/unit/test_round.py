@@ -282,6 +282,14 @@ def test_the_history_with_the_newest_majority_commit_wins_a_reunion():
     assert best_anchor(reunion) == (100, "a100")
     assert should_resync(reunion, me="c", step=2000, state_hash="c2000", anchor=(42, "s42"))  # the minority re-syncs
     assert not should_resync(reunion, me="a", step=100, state_hash="a100", anchor=(100, "a100"))  # c is not followed
+    # the majority steps faster than its reports travel: its members' reports carry anchors a step apart, which
+    # back each other's older one; the minority that outstepped it after the heal is outranked all the same, and
+    # the majority does not follow it (the split trace: a pair lost 27 committed steps to the lone peer, not counted)
+    apart = SwarmView(reports={"a": rep(54, "a54", (54, "a54")), "b": rep(53, "a53", (53, "a53")),
+                               "c": rep(60, "c60", (26, "s26"))})
+    assert best_anchor(apart) == (53, "a53")
+    assert not should_resync(apart, me="a", step=54, state_hash="a54", anchor=(54, "a54"))
+    assert should_resync(apart, me="c", step=60, state_hash="c60", anchor=(26, "s26"))
     # a peer of the majority one step behind follows its side as before, not the minority far ahead
     lagging = SwarmView(reports={**reunion.reports, "b": rep(99, "a99", (99, "a99"))})
     assert should_resync(lagging, me="b", step=99, state_hash="a99", anchor=(99, "a99"))
