@@ -99,15 +99,17 @@ def human_lines(summary: dict) -> list[str]:
     share = overhead.get("share")
     lines.append("round overhead: " + (f"{share:.3f} of a step's wall time (mean over {overhead['steps']} steps)"
                                        if share is not None else "unknown (the peers report no round_overhead_s)"))
-    by_reason = summary.get("rounds_abandoned_by_reason") or {}
     lines.append(f"rounds abandoned: {summary.get('rounds_abandoned', 0)} reports"
-                 + (" (" + ", ".join(f"{k}: {v}" for k, v in by_reason.items()) + ")" if by_reason else ""))
+                 + _classes(summary.get("rounds_abandoned_by_reason") or {}))
     distinct = dict(summary.get("rounds_abandoned_distinct") or {})
     if distinct:
-        total = distinct.pop("total", 0)
-        lines.append(f"rounds abandoned, each counted once: {total}"
-                     + (" (" + ", ".join(f"{k}: {v}" for k, v in distinct.items()) + ")" if distinct else ""))
+        lines.append(f"rounds abandoned, each counted once: {distinct.pop('total', 0)}" + _classes(distinct))
     return lines
+
+
+def _classes(counts: dict) -> str:
+    """`` (class: n, ...)`` for the human report, or nothing."""
+    return " (" + ", ".join(f"{k}: {v}" for k, v in counts.items()) + ")" if counts else ""
 
 
 def write_report(out: Path, summary: dict, rec: Record, loss: dict, baseline: Optional[dict]) -> list[str]:

@@ -72,9 +72,11 @@ def best_anchor(view: SwarmView) -> Optional[Anchor]:
     majority that steps faster than reports travel carry anchors a step or two apart (each report was written after
     another commit), and counting only equal anchors found none backed twice, so the reunion fell back to "the newest
     step wins" and a pair that had stepped as the majority re-synced to the lone side that had outstepped it after
-    the heal, its own steps lost and not counted (the split trace, 2 runs in 4). One report alone (a liar's, or one
-    that lags) never decides: with a peer's own anchor as a second voice, both sides of a 1-1 reunion ignored each
-    other forever; and a second anchor at the same step is no backing (a liar's hash at the majority's step)."""
+    the heal, its own steps lost and not counted (the split trace's test: 2 runs of 2 on 7 Dec 2026). One report alone
+    (a liar's, or one that lags) never decides: with a peer's own anchor as a second voice, both sides of a 1-1
+    reunion ignored each other forever; a second anchor at the same step is no backing (a liar's hash at the
+    majority's step), and a lone far-newer anchor backs older ones but is not backed itself (a liar's can only make
+    an anchor that some other report carries the best, never one of its own)."""
     anchors = Counter(r.anchor for r in view.reports.values() if r.anchor is not None)
     backed = [a for a, n in anchors.items() if n + sum(m for b, m in anchors.items() if b[0] > a[0]) >= 2]
     return max(backed, default=None)

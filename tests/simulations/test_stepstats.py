@@ -6,8 +6,8 @@ import pytest
 
 from simulations.__main__ import main as sim_main
 from simulations.report import human_lines, step_figures
-from simulations.stepstats import abandon_class, abandoned_by_reason, distinct_abandoned, percentile, round_overhead, step_size_stats, \
-    step_sizes
+from simulations.stepstats import (abandon_class, abandoned_by_reason, distinct_abandoned, percentile, round_overhead,
+                                   step_size_stats, step_sizes)
 from tests.simulations.test_checks import healthy, step
 from tests.simulations.test_report import SMOKE, write_record
 
@@ -92,7 +92,8 @@ def test_the_report_carries_the_step_figures_and_prints_them(tmp_path, capsys, m
     write_record(tmp_path / "run", rec)
     assert sim_main(["report", str(tmp_path / "run"), "--trace", SMOKE, "--no-baseline", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("rounds_abandoned_by_reason", "rounds_abandoned_distinct", "step_size", "step_size_p95_error", "round_overhead"):
+    for key in ("rounds_abandoned_by_reason", "rounds_abandoned_distinct", "step_size", "step_size_p95_error",
+                "round_overhead"):
         assert summary[key] == json.loads(json.dumps(figures[key]))
     assert sim_main(["report", str(tmp_path / "run"), "--trace", SMOKE, "--no-baseline"]) == 0
     text = capsys.readouterr().out

@@ -346,6 +346,8 @@ def test_a_peer_discards_its_history_only_on_evidence_from_its_own_ledger():
     # one report with a newer anchor is not the swarm's newest majority commit: no one discards anything for it
     liar = SwarmView(reports={**majority, "x": rep(100, "x100", (100, "zzz"))})
     assert best_anchor(liar) == (100, "a100")
+    far = SwarmView(reports={**majority, "x": rep(10**6, "x", (10**6, "x"))})  # a lone anchor far ahead decides nothing
+    assert best_anchor(far) == (100, "a100")
     assert not should_resync(liar, me="a", step=100, state_hash="a100", anchor=(100, "a100"), ledger=same)
     assert best_anchor(SwarmView(reports={"x": rep(100, "x", (100, "x"))})) is None
 
