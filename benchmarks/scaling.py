@@ -12,9 +12,11 @@ Every process runs pinned to one CPU core with one torch thread (``sched_setaffi
 - ``hivemind_1`` / ``hivemind_2``: 1 / 2 ``hivemind.Optimizer`` peers (``_hivemind_peer.py``), same matchmaking
   time and timeouts.
 
-The default task is ``char-lm`` at its defaults (470k parameters, 64-byte windows) with ``target_batch_size``
-256: one target batch computes in about 1 s on one core here (248 samples/s measured with one thread; the
-``local`` run's ``step_s`` says what it was on the machine at hand). ``eval_every=0``: no run evaluates.
+The default task is ``char-lm`` at its defaults (470k parameters, 64-byte windows) with a ``target_batch_size``
+sized so that one target batch computes in about ``--step-seconds`` (1.0) on one core of the machine at hand: a
+short local loop pinned like the others measures samples/s first (``calibrate_target``; the summary's
+``calibration`` says what it measured), rounded to whole local batches of both peers. ``--target-batch-size``
+fixes it instead. ``eval_every=0``: no run evaluates.
 
 The figure of a run is read from its ``step`` events (each step at the time the first peer reported it), the
 first step excluded (start-up is not counted): ``samples_per_s`` = the samples of the steps after the first (swarmrun and local report them; for
@@ -24,7 +26,7 @@ hivemind, the samples the peers fed to ``opt.step`` in that epoch) / the time fr
 of ``round_overhead_s`` / the step's wall time over swarmrun_2's steps; null when the peers do not report the
 field), ``step_size_p95_error`` (95th percentile of ``|samples - target| / target`` over swarmrun_2's steps).
 
-    python benchmarks/scaling.py --json                 # char-lm, target 256, batch 32, 20 steps, 1 repeat
+    python benchmarks/scaling.py --json                 # char-lm, a ~1 s target, batch 32, 20 steps, 1 repeat
 
 Every wait is bounded (``--run-timeout``, ``--startup-timeout``); every process group is killed when its run ends.
 """
@@ -115,6 +117,7 @@ def summarize(runs: list[dict], opts) -> dict[str, Any]:
         settings=dict(sets=opts.sets, target_batch_size=opts.target_batch_size, batch_size=opts.batch_size,
                       total_steps=opts.total_steps, matchmaking_time=opts.matchmaking_time, seed=opts.seed,
                       repeats=opts.repeats, cores=opts.cores, torch_threads=1),
+        calibration=getattr(opts, "calibration", None),
         local_step_s=statistics.median(r["step_s"] for r in local) if local else None,
         speedup_2=ratio(med.get("swarmrun_2"), med.get("local")),
         speedup_2_hivemind=ratio(med.get("hivemind_2"), med.get("local")),
@@ -205,7 +208,10 @@ def parse_args(argv=None):
     p.add_argument("--set", dest="sets", action="append", default=None, metavar="KEY=VALUE",
                    help="task argument or hyperparameter, as `node join --set` (repeatable; default eval_every=0)")
     p.add_argument("--total-steps", type=int, default=20)
-    p.add_argument("--target-batch-size", type=int, default=256)
+    p.add_argument("--target-batch-size", type=int, default=None,
+                   help="samples per step (default: what one core computes in --step-seconds, measured first)")
+    p.add_argument("--step-seconds", type=float, default=1.0,
+                   help="the compute of one target batch on one core, when --target-batch-size is not given")
     p.add_argument("--batch-size", type=int, default=32, help="per-peer local batch")
     p.add_argument("--matchmaking-time", type=float, default=2.0, help="both swarms (default 2.0, node join's)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
@@ -228,7 +234,29 @@ def parse_args(argv=None):
     bad = [s for s in opts.systems if s not in SYSTEMS]
     if bad or opts.repeats < 1 or opts.total_steps < 2 or not opts.cores:
         p.error(f"bad --systems {bad}" if bad else "--repeats must be >= 1, --total-steps >= 2, --cores not empty")
+    if (opts.target_batch_size is not None and opts.target_batch_size < 1) or not opts.step_seconds > 0:
+        p.error("--target-batch-size and --step-seconds must be positive")
     return opts
+
+
+CALIBRATION_STEPS = 12  # local steps of two batches each: ~1.5 s of compute at 500 samples/s, the first left out
+
+
+def calibrate_target(opts, workdir: Path) -> int:
+    """The target batch one core computes in ``--step-seconds``: a short ``local`` run (same task, batch, pinning)
+    measures samples/s; rounded to whole local batches of two peers (at least one each). Sets ``opts.calibration``.
+
+    Raises:
+        RunFailed: the calibration run failed.
+    """
+    quantum = 2 * opts.batch_size
+    probe = argparse.Namespace(**{**vars(opts), "target_batch_size": quantum, "total_steps": CALIBRATION_STEPS})
+    log_dir = workdir / "calibration"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rate = run_local(probe, log_dir)["samples_per_s"]
+    target = max(quantum, int(round(rate * opts.step_seconds / quantum)) * quantum)
+    opts.calibration = dict(samples_per_s=round(rate, 1), step_seconds=opts.step_seconds, target_batch_size=target)
+    return target
 
 
 def run_all(opts, workdir: Path, say) -> list[dict]:
@@ -260,12 +288,22 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     from _common import count_blocks  # imports torch and the task: once, after the arguments are checked
 
-    opts.num_blocks = count_blocks(opts.task, dict(s.split("=", 1) for s in all_sets(opts)), opts.seed)
     workdir = Path(opts.workdir) if opts.workdir else Path(tempfile.mkdtemp(prefix="swarmrun-scaling-"))
     workdir.mkdir(parents=True, exist_ok=True)
 
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
+
+    if opts.target_batch_size is None:
+        try:
+            opts.target_batch_size = calibrate_target(opts, workdir)
+        except RunFailed as e:
+            say(f"calibration failed: {e}")
+            kill_all()
+            return 1
+        say(f"target_batch_size {opts.target_batch_size}: one core computed {opts.calibration['samples_per_s']} "
+            f"samples/s, {opts.step_seconds:g} s a step")
+    opts.num_blocks = count_blocks(opts.task, dict(s.split("=", 1) for s in all_sets(opts)), opts.seed)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt

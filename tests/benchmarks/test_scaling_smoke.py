@@ -50,6 +50,24 @@ def test_scaling_tiny_runs_every_system_pinned_and_reports_the_figures(tmp_path)
         assert run["samples_per_s"] > 0 and run["last_step"] == 3
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_without_a_target_the_benchmark_sizes_one_from_a_measured_local_loop(tmp_path):
+    """--target-batch-size left out: a short pinned local loop measures samples/s and the target is what one core
+    computes in --step-seconds, in whole local batches of two peers; the runs use it."""
+    args = [a for a in TINY if a not in ("--target-batch-size", "32")] + ["--step-seconds", "0.05", "--systems", "local"]
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--json", *args,
+                           "--workdir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=170, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.splitlines()[-1])
+    cal, target = summary["calibration"], summary["settings"]["target_batch_size"]
+    assert cal["target_batch_size"] == target and cal["step_seconds"] == 0.05 and cal["samples_per_s"] > 0
+    assert target % 32 == 0 and target >= 32  # two peers' local batches of 16
+    assert target == 32 or abs(target - cal["samples_per_s"] * 0.05) <= 16.1  # the nearest multiple of 32
+    assert summary["step_size_2"]["target"] == target and summary["runs"][0]["last_step"] == 3
+    assert (tmp_path / "logs" / "calibration").is_dir()
+
+
 def test_the_figures_count_each_swarm_step_once_at_its_first_report():
     a = [{"step": 1, "time": 10.0, "samples": 30}, {"step": 2, "time": 11.0, "samples": 40},
          {"step": 3, "time": 40.0, "samples": 32}]  # peer a's last round waited out a timeout
