@@ -10,6 +10,8 @@ same task, seed and sample budget (``total_samples``; a run ends at the first st
 - ``sync8``: the same with ``compression=8bit`` (blockwise, encoded by sender and reducer, decoded bits everywhere);
 - ``outer<H>``: outer (DiLoCo) mode with ``inner_steps=H`` and ``target_batch_size`` H*T, at two values of H;
 - ``outer<H>_8bit``: outer mode with 8-bit pseudo-gradients, at the larger H;
+- ``sync8ef`` and ``outer<H>_8bit_ef`` (only when ``--modes`` names them): ``sync8`` and ``outer<H>_8bit`` with
+  ``error_feedback=true`` (each peer carries what its encoding lost into its next contribution);
 - ``hivemind``: ``hivemind.Optimizer`` (``_hivemind_peer.py``) with the settings it offers for slow links:
   blockwise 8-bit gradients and state, averaging delayed into the next steps (``delay_grad_averaging``,
   ``delay_optimizer_step``), ``target_batch_size`` T and the same number of epochs as ``sync32`` has steps.
@@ -108,15 +110,19 @@ def modes(opts) -> dict[str, dict[str, Any]]:
         f"outer{hl}": dict(target_batch_size=hl * t, inner_steps=hl, **outer),
         f"outer{hl}_8bit": dict(target_batch_size=hl * t, inner_steps=hl, compression="8bit", **outer),
         "hivemind": dict(target_batch_size=t),
+        "sync8ef": dict(target_batch_size=t, compression="8bit", error_feedback=True),
+        f"outer{hl}_8bit_ef": dict(target_batch_size=hl * t, inner_steps=hl, compression="8bit", error_feedback=True,
+                                   **outer),
     }
+    opt_in = ("sync8ef", f"outer{hl}_8bit_ef")  # run only when named
     aliases = {"outer8": f"outer{hl}_8bit", "outer": f"outer{hl}"}
     if opts.modes:
         wanted = [aliases.get(m, m) for m in opts.modes.split(",") if m]
         unknown = [m for m in wanted if m not in table]
         if unknown:
             raise SystemExit(f"unknown mode(s) {unknown}; known: {sorted(table)} (aliases {sorted(aliases)})")
-        table = {m: table[m] for m in table if m in wanted}
-    return table
+        return {m: table[m] for m in table if m in wanted}
+    return {m: sets for m, sets in table.items() if m not in opt_in}
 
 
 def trace_for(opts, name: str, sets: dict[str, Any]):
@@ -222,6 +228,7 @@ def summarize(runs: dict[str, dict], failed: dict[str, str], opts) -> dict[str, 
     out.update(bytes_ratio_outer8=ratio(f"outer{hl}_8bit"), utilisation_outer8=runs.get(f"outer{hl}_8bit", {}).get("utilisation"),
                bytes_ratio_sync8=ratio("sync8"), loss_gap_sync8=gap("sync8"), loss_gap_outer=gap(f"outer{hl}"),
                loss_gap_outer_small_h=gap(f"outer{hs}"), loss_gap_outer8=gap(f"outer{hl}_8bit"),
+               loss_gap_sync8ef=gap("sync8ef"), loss_gap_outer8ef=gap(f"outer{hl}_8bit_ef"),
                tensor_bytes_ratio_outer8=ratio(f"outer{hl}_8bit", "tensor_bytes_per_sample"),
                tensor_bytes_ratio_sync8=ratio("sync8", "tensor_bytes_per_sample"),
                utilisation_sync32=base.get("utilisation"),

@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from swarmrun.protocol.codec import bytes_field, float_field, int_field, message, pack, require, str_field
+from swarmrun.protocol.codec import bytes_field, float_field, int_field, message, pack, require, str_field, unpack
 from swarmrun.protocol.cursor import DataCursor, RangeSet, block_examples
-from swarmrun.protocol.errors import Reject, Rejection
+from swarmrun.protocol.errors import ProtocolError, Reject, Rejection
 from swarmrun.protocol.spec import DEFAULT_STEP_TOLERANCE
 
 ROUND_VERSION = 1
@@ -104,6 +104,18 @@ class RoundMeta:
             ready_at=float_field(d, "ready_at") if "ready_at" in d else 0.0,
             rate=min(max(0.0, float_field(d, "rate")), 1e9) if "rate" in d else 0.0,
         )
+
+
+def decode_gathered(blob: bytes) -> RoundMeta:
+    """A member's ``RoundMeta`` as hivemind gathers it: msgpack ``[bandwidth, mode, user_bytes]``, whose
+    user_bytes wrap ours."""
+    outer = unpack(blob, max_size=128 * 1024)
+    if not (isinstance(outer, list) and len(outer) == 3 and isinstance(outer[2], bytes)):
+        raise ProtocolError("malformed gathered metadata")
+    inner = unpack(outer[2], max_size=128 * 1024)
+    if not isinstance(inner, bytes):
+        raise ProtocolError("malformed gathered metadata")
+    return RoundMeta.decode(inner)
 
 
 def check_round_meta(meta: RoundMeta, *, spec_hash: str, step: int) -> Optional[Rejection]:

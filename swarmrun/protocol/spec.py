@@ -21,7 +21,7 @@ from swarmrun.protocol.errors import (IncompatibleState, LocalProtocolError, Rem
                                       UsageError)
 from swarmrun.protocol.outer import OUTER_DEFAULTS, OUTERS, check_outer, outer_hparams
 
-__all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "COMPRESSIONS", "OUTERS", "OUTER_DEFAULTS", "RUN_ID", "BUDGET_HPARAMS", "check_run_id", "Spec",
+__all__ = ["SPEC_VERSION", "ACCESS_POLICIES", "COMPRESSIONS", "OUTERS", "OUTER_DEFAULTS", "OPTIONAL_HPARAMS", "RUN_ID", "BUDGET_HPARAMS", "check_run_id", "Spec",
            "SignedSpec", "amend", "outer_hparams", "choose_spec", "choose_budget", "planned_steps", "budget_reached", "steps_left"]
 
 SPEC_VERSION = 1
@@ -30,6 +30,9 @@ ACCESS_POLICIES = ("open", "invite")
 #: the codecs of a run's gradient all-reduce (hparam ``compression``; ``node.peer.codecs`` builds them): each part is
 #: encoded once by its sender and once by its reducer, and every participant uses the decoded bits
 COMPRESSIONS = ("none", "fp16", "bf16", "8bit", "quantile8bit")
+#: hyperparameters a spec holds only when a run sets them (a run without them has the spec it had before them), with
+#: the default a peer assumes when one is absent
+OPTIONAL_HPARAMS = {"error_feedback": False}
 _UNAVAILABLE_COMPRESSIONS = {"blockwise8": "hivemind's blockwise 8-bit codec needs bitsandbytes, which swarmrun does "
                                            "not depend on; use 8bit"}
 MAX_SPEC_SIZE = 1 << 20
@@ -137,6 +140,12 @@ class Spec:
         if not _is_int(self.hparams[budgets[0]]) or self.hparams[budgets[0]] <= 0:
             raise UsageError(f"hparams[{budgets[0]!r}] must be a positive int, got {self.hparams[budgets[0]]!r}")
         _check_compression(self.hparams.get("compression", "none"))
+        feedback = self.hparams.get("error_feedback", False)
+        if not isinstance(feedback, bool):
+            raise UsageError(f"hparams['error_feedback'] must be true or false, got {feedback!r}")
+        if feedback and self.hparams.get("compression", "none") == "none":
+            raise UsageError("hparams['error_feedback'] needs a lossy compression (fp16, bf16, 8bit, quantile8bit): "
+                             "with none nothing is lost to carry forward")
         check_outer(self.hparams)
         tolerance = self.hparams.get("step_tolerance", DEFAULT_STEP_TOLERANCE)
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
@@ -209,6 +218,11 @@ class Spec:
     def compression(self) -> str:
         """The codec of the gradient all-reduce, one of ``COMPRESSIONS`` (``none`` for a spec without one)."""
         return str(self.hparams.get("compression", "none"))
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether each peer carries what the codec lost into its next contribution (``node.peer.feedback``)."""
+        return bool(self.hparams.get("error_feedback", False))
 
     @property
     def outer(self) -> str:

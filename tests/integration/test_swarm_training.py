@@ -63,13 +63,16 @@ def test_peer_killed_during_allreduce_never_half_applies(tmp_path):
         assert lefts[0]["cursor"]["blocks_duplicated"] == 0
 
 
-def test_three_peers_with_8bit_compression_agree_on_every_step(tmp_path):
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "error_feedback"])
+def test_three_peers_with_8bit_compression_agree_on_every_step(tmp_path, feedback):
     """``--set compression=8bit``: fc1 (16 x 256 = 4096 values) goes in 8 bits, the rest in fp16; every committed
-    step leaves one state_hash on every peer, and the loss still falls."""
+    step leaves one state_hash on every peer, and the loss still falls. With ``error_feedback`` each peer adds what
+    its last encoding lost to its next contribution: the committed bits are still the same everywhere."""
     with Swarm(tmp_path, "eightbit") as swarm:
         common = ("--matchmaking-time", "1.0")
         swarm.create("p0", "--task", "synthetic", "--set", "total_steps=12", "--set", "eval_every=1",
-                     "--set", "hidden=256", "--set", "compression=8bit", "--min-peers", "3", *common)
+                     "--set", "hidden=256", "--set", "compression=8bit", "--min-peers", "3", *common,
+                     *(("--set", "error_feedback=true") if feedback else ()))
         swarm.join("p1", *common, "--batch-size", "8")
         swarm.join("p2", *common, "--batch-size", "32")
         for name in ("p0", "p1", "p2"):

@@ -27,7 +27,7 @@ from hivemind.compression import NoCompression, deserialize_torch_tensor
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
-from hivemind.utils.asyncio import amap_in_executor, azip, as_aiter, enter_asynchronously
+from hivemind.utils.asyncio import aenumerate, amap_in_executor, azip, as_aiter, enter_asynchronously
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarmrun.node.net.bounds import install_protobuf_bounds
@@ -37,8 +37,10 @@ from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.errors import ProtocolError, SwarmrunError
 from swarmrun.node import faults
 from swarmrun.node.peer import codecs
+from swarmrun.node.peer.feedback import ErrorFeedback, ResidualParts
 from swarmrun.protocol.records import group_bits
-from swarmrun.protocol.round import ClaimDecision, RoundMeta, check_round_meta, decide_claims, step_bounds
+from swarmrun.protocol.round import (ClaimDecision, RoundMeta, check_round_meta, decide_claims, decode_gathered,
+                                     step_bounds)
 from swarmrun.protocol.spec import DEFAULT_STEP_TOLERANCE
 
 logger = get_logger(__name__)
@@ -68,17 +70,6 @@ class RoundOutcome:
     allreduce_s: float = 0.0  # from the group's forming to this outcome (admission checks and the all-reduce)
 
 
-def decode_gathered(blob: bytes) -> RoundMeta:
-    """hivemind wraps our metadata as msgpack ``[bandwidth, mode, user_bytes]``; user_bytes wraps ours."""
-    outer = unpack(blob, max_size=128 * 1024)
-    if not (isinstance(outer, list) and len(outer) == 3 and isinstance(outer[2], bytes)):
-        raise ProtocolError("malformed gathered metadata")
-    inner = unpack(outer[2], max_size=128 * 1024)
-    if not isinstance(inner, bytes):
-        raise ProtocolError("malformed gathered metadata")
-    return RoundMeta.decode(inner)
-
-
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose receivers copy the reducer's averaged part instead of adding a delta.
 
@@ -91,11 +82,14 @@ class ExactAllReduceRunner(AllReduceRunner):
       sender's message names), into one message that every receiver gets and the reducer itself decodes: with any
       codec, every participant holds the bits of the same bytes.
     - ``_generate_input_for_peer``: counts the encoded bytes of this peer's parts as they go (``sent_bytes``, with the
-      averaged parts it sends back as a reducer): what the codec saves, measured on the messages themselves.
+      averaged parts it sends back as a reducer): what the codec saves, measured on the messages themselves; with
+      ``residuals`` (error feedback, ``feedback.py``) it writes what each part's encoding lost, as this peer's own
+      part in ``_communicate_with_peer`` does.
     """
 
     def __init__(self, *, sender_weights: Sequence[float], tensors: Sequence[torch.Tensor],
-                 round_step: Optional[int] = None, declared_norms: Sequence[float] = (), **kwargs):
+                 round_step: Optional[int] = None, declared_norms: Sequence[float] = (),
+                 residuals: Optional[Sequence[torch.Tensor]] = None, **kwargs):
         super().__init__(tensors=tensors, **kwargs)
         self.round_step = round_step
         self.declared_norms = tuple(declared_norms)
@@ -113,6 +107,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(own_index)
         self._averaged_messages: dict[int, asyncio.Future] = {}  # part index -> its one encoded averaged part
         self.sent_bytes = 0
+        self.residual_parts = ResidualParts(residuals, self.peer_fractions, **container_kwargs) if residuals else None
         self.weight = self.sender_weights[self.sender_peer_ids.index(self.peer_id)] if self.peer_id in self.sender_peer_ids else 0.0
 
     def _plausible(self, sender_index: int, part_index: int, wire: tuple, part: Optional[torch.Tensor]) -> bool:
@@ -155,6 +150,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         loop = asyncio.get_event_loop()
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
             sent = await loop.run_in_executor(None, self._as_sent, tensor_part, part_index)
+            if self.residual_parts is not None:
+                self.residual_parts.record(peer_index, part_index, tensor_part, sent)
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, sent, weight=self.weight)
             message = await self._averaged_message(part_index, averaged)
             as_received = await loop.run_in_executor(None, deserialize_torch_tensor, message)
@@ -162,8 +159,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             faults.fire("allreduce", self.round_step)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        async for message in super()._generate_input_for_peer(peer_index):
+        raw = self.tensor_part_container._input_parts_by_peer[peer_index]  # intact until its average comes back
+        async for part_index, message in aenumerate(super()._generate_input_for_peer(peer_index)):
             self.sent_bytes += message.ByteSize()
+            if self.residual_parts is not None:
+                self.residual_parts.record_message(peer_index, part_index, raw[part_index][0], message.tensor_part)
             yield message
             # a planned kill also fires once a part was sent: a peer that reduces no part of its own (hivemind gives
             # a small tensor to fewer reducers, in a random order) must die mid all-reduce too (CI saw one survive)
@@ -240,9 +240,11 @@ class RoundAverager(DecentralizedAverager):
         *,
         spec_hash: str,
         gate=None,
+        feedback: Optional[ErrorFeedback] = None,
         **kwargs,
     ):
-        self.spec_hash = spec_hash
+        self.spec_hash, self.feedback = spec_hash, feedback  # error feedback: the host's carry, the shared residuals
+        self._residuals = feedback.residuals if feedback is not None else None
         self.gate = gate  # copied into the averager process at its start; revocations follow through prepare_round
         self._suspects: dict[str, int] = {}  # senders caught with bad gradient slices -> step until which refused
         self._recent_norms: collections.deque = collections.deque(maxlen=NORM_HISTORY)  # of complete rounds
@@ -474,6 +476,7 @@ class RoundAverager(DecentralizedAverager):
             sender_weights=sender_weights,
             declared_norms=declared_norms,
             round_step=self._round_step,
+            residuals=self._residuals,
             **kwargs,
         )
         self._last_runner = runner

@@ -8,7 +8,8 @@ from typing import Mapping
 import torch
 from swarmrun.protocol.cursor import DataCursor
 from swarmrun.protocol.errors import IncompatibleState, UsageError
-from swarmrun.protocol.spec import BUDGET_HPARAMS, OUTER_DEFAULTS, Spec, choose_budget, outer_hparams
+from swarmrun.protocol.spec import (BUDGET_HPARAMS, OPTIONAL_HPARAMS, OUTER_DEFAULTS, Spec, choose_budget,
+                                    outer_hparams)
 from swarmrun.node.state.run import RunState
 from swarmrun.node.tasks.base import Task, load_task_class
 from swarmrun.protocol.errors import TaskError
@@ -52,14 +53,18 @@ def make_spec(*, run_id: str, task_cls: type[Task], sets: Mapping[str, str], see
     task_sets = {k: v for k, v in sets.items() if k in task_cls.arg_defaults}
     hp_sets = {k: v for k, v in sets.items() if k in task_cls.hparam_defaults or k in BUDGET_HPARAMS}
     outer_sets = {k: v for k, v in sets.items() if k in OUTER_DEFAULTS and k not in hp_sets}
-    unknown = sorted(set(sets) - set(task_sets) - set(hp_sets) - set(outer_sets))
+    optional_sets = {k: v for k, v in sets.items() if k in OPTIONAL_HPARAMS and k not in hp_sets}
+    unknown = sorted(set(sets) - set(task_sets) - set(hp_sets) - set(outer_sets) - set(optional_sets))
     if unknown:
-        known = ", ".join(sorted({*task_cls.arg_defaults, *task_cls.hparam_defaults, *OUTER_DEFAULTS}))
+        known = ", ".join(sorted({*task_cls.arg_defaults, *task_cls.hparam_defaults, *OUTER_DEFAULTS,
+                                  *OPTIONAL_HPARAMS}))
         raise UsageError(f"unknown --set key(s) {', '.join(unknown)} for task {task_cls.name!r} (known: {known})")
     try:
         hparams = coerce_args(choose_budget(task_cls.hparam_defaults, hp_sets), hp_sets, what="hyperparameter")
         # outer-mode hparams are in the spec only in outer mode (a default run's spec is as it was before them)
         hparams.update(outer_hparams(coerce_args(OUTER_DEFAULTS, outer_sets, what="hyperparameter"), given=outer_sets))
+        hparams.update({k: v for k, v in coerce_args(OPTIONAL_HPARAMS, optional_sets, what="hyperparameter").items()
+                        if k in optional_sets})
         task = task_cls(task_sets, seed)
     except TaskError as e:
         raise UsageError(str(e)) from None

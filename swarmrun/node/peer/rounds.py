@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -18,6 +18,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from swarmrun.node.net.records import read_subkeys
 from swarmrun.node.peer.averaging import RoundAverager, RoundOutcome
 from swarmrun.node.peer.codecs import make_codec
+from swarmrun.node.peer.feedback import ErrorFeedback
 from swarmrun.node.runtime import await_future
 from swarmrun.node.state.run import digest_tensors
 from swarmrun.protocol.cursor import DataCursor
@@ -62,6 +63,7 @@ def make_averager(params: Sequence[torch.Tensor], dht: DHT, *, spec: Spec, gate,
         dht,
         spec_hash=spec.spec_hash(),
         gate=gate,
+        feedback=ErrorFeedback(averaged) if spec.error_feedback else None,
         prefix=averager_prefix(spec.run_id),
         start=True,
         min_matchmaking_time=config.matchmaking_time,
@@ -98,14 +100,19 @@ class RoundRunner:
         self.subkey, self.live, self.moved_on, self.stop_requested = subkey, live, moved_on, stop_requested
         self.members, self.alone = members, alone
 
-    def load(self, grads: Sequence[torch.Tensor | None], samples: int) -> None:
-        """Put this peer's mean gradient (the per-sample sum / samples) in the averager's buffers."""
+    def load(self, grads: Sequence[torch.Tensor | None], samples: int, *, meta: RoundMeta) -> RoundMeta:
+        """Put this peer's mean gradient (the per-sample sum / samples) in the averager's buffers; with error feedback
+        (``feedback.py``) plus the residual carried from the last round, and ``meta`` declares the norm of the sum
+        (reducers check each slice against it). The meta to send."""
         with self.averager.get_tensors() as buffers:
             for buf, g in zip(buffers, grads):
                 if g is None:
                     buf.zero_()
                 else:
                     buf.copy_(g.detach().float().cpu() / max(1, samples))
+            if self.averager.feedback is None:
+                return meta
+            return replace(meta, grad_norm=self.averager.feedback.add_to(buffers, meta.step))
 
     async def attempt(self, meta: RoundMeta, *, cursor: DataCursor, target: int, tolerance: float,
                       eta: float = 0.0, group_size: Optional[int] = None) -> RoundResult:
@@ -133,6 +140,8 @@ class RoundRunner:
         outcome: RoundOutcome = await self._unless_stopped(self._outcome(control, eta))
         t1 = time.perf_counter()
         decision, claims = await self._vote(outcome, step=meta.step, cursor=cursor, target=target, tolerance=tolerance)
+        if isinstance(decision, Commit) and self.averager.feedback is not None:
+            self.averager.feedback.committed(meta.step)  # what this round's encoding lost goes into the next one
         return RoundResult(decision, claims, outcome, time.perf_counter() - t0, time.perf_counter() - t1)
 
     async def _outcome(self, control, eta: float = 0.0) -> RoundOutcome:

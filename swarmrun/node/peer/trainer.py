@@ -326,7 +326,7 @@ class Trainer:
             logger.warning("local gradient is not finite: dropping it and skipping this round")
             self._zero_accumulator()
             return
-        self.rounds.load(*update)
+        meta = self.rounds.load(*update, meta=meta)  # with error feedback, its declared norm is of what it now sends
         plan = self._plan()
         try:
             result = await self.rounds.attempt(meta, cursor=self.state.cursor, target=self._target(),
