@@ -157,3 +157,18 @@ def test_the_trainers_that_vanished_are_pinged_once_per_report_ttl():
     r.view = SwarmView(reports={"me": rep(), "a": rep(), "b": rep()})
     r.recently_live()
     assert r.lost() == []
+
+
+def test_reports_follow_the_steps_length_within_the_interval_and_a_quarter_ttl():
+    """Every report_interval while steps are short or unknown; a quarter of a step when steps are long (outer
+    mode); never less often than four times a report TTL (a live peer must not look gone)."""
+    seconds = {"step": None}
+    config = TrainerConfig(report_interval=0.5, report_ttl=8.0)
+    r = Reporter(dht=None, spec=None, gate=None, config=config, peer_id="me", subkey=b"", report=lambda: rep(),
+                 provider_record=lambda: None, on_tick=lambda: None, step_seconds=lambda: seconds["step"])
+    assert r.interval() == 0.5  # before two commits
+    for step, interval in ((0.6, 0.5), (2.0, 0.5), (4.0, 1.0), (8.0, 2.0), (120.0, 2.0)):
+        seconds["step"] = step
+        assert r.interval() == interval, step
+    r.config = TrainerConfig(report_interval=3.0, report_ttl=8.0)  # an interval set above a quarter TTL stays as set
+    assert r.interval() == 3.0

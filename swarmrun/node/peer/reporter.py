@@ -1,5 +1,6 @@
 """This peer's word in the DHT and its view of the others': progress reports and provider records, published every
-``report_interval``, and the swarm's live reports read back (the view every decision of the trainer reads)."""
+``report_interval`` (longer when steps are long: ``Reporter.interval``), and the swarm's live reports read back (the
+view every decision of the trainer reads)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ class Reporter:
 
     def __init__(self, *, dht: DHT, spec: Spec, gate, config, peer_id: str, subkey: bytes,
                  report: Callable[[], ProgressReport], provider_record: Callable[[], Optional[ProviderRecord]],
-                 on_tick: Callable[[], None]):
+                 on_tick: Callable[[], None], step_seconds: Callable[[], Optional[float]] = lambda: None):
         self.dht, self.spec, self.gate, self.config, self.peer_id, self.subkey = dht, spec, gate, config, peer_id, subkey
         self.report, self.provider_record, self.on_tick = report, provider_record, on_tick
+        self.step_seconds = step_seconds  # the trainer's mean wall time of a step (None before two commits)
         self.view = SwarmView(reports={})
         self._seen: dict[str, float] = {}  # trainer -> when this peer last saw it live
         self._members: dict[str, float] = {}  # the same, kept MEMBERSHIP_MEMORY unless its last report said it left
@@ -52,6 +54,17 @@ class Reporter:
         self._published = 0.0  # when the progress report was last stored (monotonic)
         self._announced: tuple = ((), 0.0)  # what the last stored provider record said, and when
         self._pinged, self._pinging = 0.0, None  # the last ``reconnect`` (monotonic) and its task
+
+    def interval(self) -> float:
+        """Seconds between two rounds of publishing and reading: ``report_interval`` while steps are short, a
+        quarter of a step when steps are long (outer mode's take seconds to minutes), at most a quarter of the
+        report TTL (a live peer must never look gone). Every report is a signed DHT write that each peer's DHT
+        stores and every other peer reads back twice a second: on capped links (``benchmarks/links.py``) that
+        control traffic, not the tensors, was most of an outer 8-bit step's bytes. A commit publishes and reads at
+        once whatever the interval (``publish_and_read``)."""
+        step = self.step_seconds()
+        base = self.config.report_interval
+        return base if step is None else min(max(base, step / 4), max(base, self.config.report_ttl / 4))
 
     def _provider_due(self, record: ProviderRecord) -> bool:
         """A provider record changes at a commit (or as transfers start and end): stored when it says something new,
@@ -228,7 +241,8 @@ class Reporter:
     async def _forever(self) -> None:
         last_revocations = 0.0
         while True:
-            if time.monotonic() - self._published >= self.config.report_interval / 2:
+            interval = self.interval()
+            if time.monotonic() - self._published >= interval / 2:
                 await self.publish()  # not again right after a commit's publish_and_read
             try:
                 await self.refresh()
@@ -240,7 +254,7 @@ class Reporter:
                 logger.debug(f"could not read progress: {e!r}")
             if self.config.role == Role.TRAINER:
                 self.on_tick()
-            await asyncio.sleep(self.config.report_interval)
+            await asyncio.sleep(interval)
 
 
 def _says(record: ProviderRecord) -> tuple:

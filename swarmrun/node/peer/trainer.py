@@ -124,7 +124,7 @@ class Trainer:
         self.reporter = Reporter(dht=dht, spec=spec, gate=self.gate, config=config, peer_id=self.peer_id,
                                  subkey=subkey, report=self._report,
                                  provider_record=lambda: self.served.provider_record(config.role),
-                                 on_tick=self._on_tick)
+                                 on_tick=self._on_tick, step_seconds=lambda: self.step_seconds)
         self.averager = make_averager(self.params, dht, spec=spec, gate=self.gate, config=config)
         self.rounds = RoundRunner(averager=self.averager, dht=dht, spec=spec, gate=self.gate, config=config,
                                   subkey=subkey, live=self.reporter.recently_live, members=self.reporter.members,
