@@ -31,8 +31,19 @@ def test_a_committed_rounds_residual_goes_into_the_next_steps_round_only():
     fb.add_to(buffers, step=8)
     assert torch.equal(buffers[0], torch.tensor([1.5, 0.0]))
 
+    # a round at step 8 that commits with this peer's claim refused (weight 0): its carry goes on to step 9
+    fb.residuals[0].copy_(torch.tensor([9.0, 9.0]))  # what that round's encoding lost, of a contribution not applied
+    fb.committed(8, delivered=False)
+    buffers = loaded([1.0, 1.0])
+    fb.add_to(buffers, step=9)
+    assert torch.equal(buffers[0], torch.tensor([1.5, 0.0]))
+    fb.committed(9)  # delivered: the residual of step 9's round replaces it
+    buffers = loaded([0.0, 0.0])
+    fb.add_to(buffers, step=10)
+    assert torch.equal(buffers[0], torch.tensor([9.0, 9.0]))
+
     # a round at another step (after a re-sync, a commit alone, a replay) gets none
-    for step in (9, 3):
+    for step in (11, 3):
         buffers = loaded([1.0, 1.0])
         fb.add_to(buffers, step=step)
         assert torch.equal(buffers[0], torch.tensor([1.0, 1.0])), step

@@ -65,8 +65,13 @@ class ErrorFeedback:
         return float(torch.stack([b.float().norm() for b in buffers]).norm()) if buffers else 0.0
 
     @torch.no_grad()
-    def committed(self, step: int) -> None:
-        """The round at ``step`` committed: what its encoding lost is carried into the round at ``step + 1``."""
+    def committed(self, step: int, *, delivered: bool = True) -> None:
+        """The round at ``step`` committed: what its encoding lost is carried into the round at ``step + 1``.
+        ``delivered`` False: this peer's claim was refused (weight 0), its contribution applied nowhere: the carry
+        it held goes on to the next round as it was (the gradient it rode on is dropped)."""
+        if not delivered:
+            self.carry_step = step + 1 if self.carry_step == step else None
+            return
         if self.carry is None:
             self.carry = [torch.empty_like(r) for r in self.residuals]
         for c, r in zip(self.carry, self.residuals):

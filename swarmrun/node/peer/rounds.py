@@ -21,11 +21,11 @@ from swarmrun.node.peer.codecs import make_codec
 from swarmrun.node.peer.feedback import ErrorFeedback
 from swarmrun.node.runtime import await_future
 from swarmrun.node.state.run import digest_tensors
-from swarmrun.protocol.cursor import DataCursor
+from swarmrun.protocol.cursor import DataCursor, RangeSet
 from swarmrun.protocol.errors import Stopped
 from swarmrun.protocol.records import averager_prefix
 from swarmrun.protocol.round import (ClaimDecision, Commit, Role, RoundMeta, Vote, decide_claims, decide_commit,
-                                     majority_round, round_votes, vote_key, vote_wait_over)
+                                     held_by_others, majority_round, round_votes, vote_key, vote_wait_over)
 from swarmrun.protocol.spec import Spec
 
 VOTE_TTL = 120.0  # seconds a vote stays in the DHT (a round's members read it within vote_timeout)
@@ -99,6 +99,12 @@ class RoundRunner:
         self.averager, self.dht, self.spec, self.gate, self.config = averager, dht, spec, gate, config
         self.subkey, self.live, self.moved_on, self.stop_requested = subkey, live, moved_on, stop_requested
         self.members, self.alone = members, alone
+        self._held_elsewhere: tuple[Optional[int], RangeSet] = (None, RangeSet())  # (step, blocks): ``held_elsewhere``
+
+    def held_elsewhere(self, step: int) -> RangeSet:
+        """The blocks the other members of this peer's last round at ``step`` claimed (``held_by_others``)."""
+        at, blocks = self._held_elsewhere
+        return blocks if at == step else RangeSet()
 
     def load(self, grads: Sequence[torch.Tensor | None], samples: int, *, meta: RoundMeta) -> RoundMeta:
         """Put this peer's mean gradient (the per-sample sum / samples) in the averager's buffers; with error feedback
@@ -140,8 +146,12 @@ class RoundRunner:
         outcome: RoundOutcome = await self._unless_stopped(self._outcome(control, eta))
         t1 = time.perf_counter()
         decision, claims = await self._vote(outcome, step=meta.step, cursor=cursor, target=target, tolerance=tolerance)
+        me = self.averager.peer_id.to_base58()
+        held = held_by_others(outcome.metas, outcome.peer_ids, me=me, refused=claims.refused)
+        self._held_elsewhere = (meta.step, held)
         if isinstance(decision, Commit) and self.averager.feedback is not None:
-            self.averager.feedback.committed(meta.step)  # what this round's encoding lost goes into the next one
+            # what this round's encoding lost goes into the next one; a refused claim (weight 0) delivered nothing
+            self.averager.feedback.committed(meta.step, delivered=claims.weights[outcome.peer_ids.index(me)] > 0)
         return RoundResult(decision, claims, outcome, time.perf_counter() - t0, time.perf_counter() - t1)
 
     async def _outcome(self, control, eta: float = 0.0) -> RoundOutcome:
