@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence
 
 from swarmrun.protocol.codec import bytes_field, float_field, int_field, message, pack, require, str_field, unpack
 from swarmrun.protocol.cursor import DataCursor, RangeSet, block_examples
@@ -145,6 +145,19 @@ def step_target(cursor: DataCursor, target_batch_size: int) -> int:
     if len(pending) * cursor.block_size > target_batch_size + cursor.block_size:  # cheap: far from the epoch's end
         return target_batch_size
     return min(target_batch_size, claim_samples(pending, cursor))
+
+
+def held_by_others(metas: Sequence[RoundMeta], peer_ids: Sequence[str], *, me: str,
+                   refused: Collection[int] = ()) -> RangeSet:
+    """The blocks the other members of a round hold gradients for, as their gathered claims say (a refused member
+    drops its own): what this peer must not take again at that step. A report leases at most ``MAX_LEASE_RANGES``
+    ranges, and a part computed alone before the others came can be thousands of scattered blocks (links.py, outer
+    mode: the others took its unleased blocks, were refused round after round and the run died after 51)."""
+    held = RangeSet()
+    for i, (peer, meta) in enumerate(zip(peer_ids, metas)):
+        if peer != me and i not in refused:
+            held = held.add(meta.blocks)
+    return held
 
 
 def claim_samples(blocks: RangeSet, cursor: DataCursor) -> int:

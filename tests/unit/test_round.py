@@ -404,3 +404,19 @@ def test_a_reunion_of_two_peers_is_decided_by_the_newest_step():
     view = SwarmView(reports={"p0": rep(30, "m30", (20, "m20")), "p2": rep(40, "s40", (8, "s8"))})
     assert should_resync(view, me="p0", step=30, state_hash="m30", anchor=(20, "m20"))
     assert not should_resync(view, me="p2", step=40, state_hash="s40", anchor=(8, "s8"))
+
+
+def test_a_member_learns_the_blocks_the_others_claimed_in_the_round_whatever_they_lease():
+    """A part computed alone before the others came is thousands of scattered blocks, more than a report leases;
+    the round's gathered claims say them all. A refused member's claim is dropped (it recomputes its part)."""
+    from swarmrun.protocol.round import held_by_others
+
+    big = RangeSet.from_items(range(0, 2000, 3))  # 667 ranges: a report leases 256 of them
+    metas = [RoundMeta(spec_hash="h", step=4, samples=8 * len(big), blocks=big, data_epoch=0),
+             RoundMeta(spec_hash="h", step=4, samples=16, blocks=RangeSet.from_items([1, 3]), data_epoch=0),
+             RoundMeta(spec_hash="h", step=4, samples=8, blocks=RangeSet.from_items([5000]), data_epoch=0)]
+    peers = ["big", "me", "late"]
+    assert len(big.ranges) > MAX_LEASE_RANGES
+    assert held_by_others(metas, peers, me="me", refused=(1,)) == big.add(RangeSet.from_items([5000]))
+    assert held_by_others(metas, peers, me="me", refused=(1, 2)) == big  # a refused member drops its claim
+    assert held_by_others(metas, peers, me="big") == RangeSet.from_items([1, 3, 5000])

@@ -278,8 +278,8 @@ class Trainer:
         count = max(1, math.ceil(min(self.work.batch(quota), quota - self.samples) / cursor.block_size))
         leased = self.view.leased(me=self.peer_id, step=self.state.step, data_epoch=cursor.data_epoch)
         members = sorted(set(self.view.trainers) | {self.peer_id})
-        return pick_blocks(cursor, count, member=members.index(self.peer_id), members=len(members),
-                           exclude=self.claims.blocks.add(leased))
+        held = self.claims.blocks.add(leased).add(self.rounds.held_elsewhere(self.state.step))  # the round's: exact
+        return pick_blocks(cursor, count, member=members.index(self.peer_id), members=len(members), exclude=held)
 
     async def _compute_once(self, quota: int) -> None:
         if self.work.stale(self.state_hash):
