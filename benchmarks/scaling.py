@@ -239,18 +239,21 @@ def parse_args(argv=None):
     return opts
 
 
-CALIBRATION_STEPS = 12  # local steps of two batches each: ~1.5 s of compute at 500 samples/s, the first left out
+CALIBRATION_STEPS = 12  # local steps of CALIBRATION_BATCHES batches: ~6 s of compute at 500 samples/s
+CALIBRATION_BATCHES = 8  # per step: a step's own overhead (clip, optimizer) weighs as in a ~1 s step, not 8 times more
 
 
 def calibrate_target(opts, workdir: Path) -> int:
-    """The target batch one core computes in ``--step-seconds``: a short ``local`` run (same task, batch, pinning)
-    measures samples/s; rounded to whole local batches of two peers (at least one each). Sets ``opts.calibration``.
+    """The target batch one core computes in ``--step-seconds``: a short ``local`` run (same task, batch, pinning;
+    steps of ``CALIBRATION_BATCHES`` batches) measures samples/s; rounded to whole local batches of two peers (at
+    least one each). Sets ``opts.calibration``.
 
     Raises:
         RunFailed: the calibration run failed.
     """
     quantum = 2 * opts.batch_size
-    probe = argparse.Namespace(**{**vars(opts), "target_batch_size": quantum, "total_steps": CALIBRATION_STEPS})
+    probe = argparse.Namespace(**{**vars(opts), "target_batch_size": CALIBRATION_BATCHES * opts.batch_size,
+                                  "total_steps": CALIBRATION_STEPS})
     log_dir = workdir / "calibration"
     log_dir.mkdir(parents=True, exist_ok=True)
     rate = run_local(probe, log_dir)["samples_per_s"]
@@ -294,21 +297,21 @@ def main(argv=None) -> int:
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    if opts.target_batch_size is None:
-        try:
-            opts.target_batch_size = calibrate_target(opts, workdir)
-        except RunFailed as e:
-            say(f"calibration failed: {e}")
-            kill_all()
-            return 1
-        say(f"target_batch_size {opts.target_batch_size}: one core computed {opts.calibration['samples_per_s']} "
-            f"samples/s, {opts.step_seconds:g} s a step")
-    opts.num_blocks = count_blocks(opts.task, dict(s.split("=", 1) for s in all_sets(opts)), opts.seed)
-
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    if opts.target_batch_size is None:
+        try:
+            opts.target_batch_size = calibrate_target(opts, workdir)
+        except (RunFailed, KeyboardInterrupt) as e:
+            say(f"calibration failed: {e}" if isinstance(e, RunFailed) else "interrupted: killing the calibration run")
+            kill_all()
+            return 1 if isinstance(e, RunFailed) else 130
+        say(f"target_batch_size {opts.target_batch_size}: one core computed {opts.calibration['samples_per_s']} "
+            f"samples/s, {opts.step_seconds:g} s a step")
+    opts.num_blocks = count_blocks(opts.task, dict(s.split("=", 1) for s in all_sets(opts)), opts.seed)
+
     runs: list[dict] = []
     done = False
     try:

@@ -4,7 +4,7 @@ A step carries ``target`` samples (``round.step_target``). The live trainers spl
 reported speeds, in whole blocks (largest remainder, ties to the smaller peer id), so that they finish their parts
 together and the step is the size it was asked to be. The members of a committed round plan the next step with the
 speeds gathered in that round (``RoundMeta.rate``: the same numbers on each of them, so the same plan), not with
-their own views (a report is read every ``report_interval``, a step may take less: two members that planned with
+their own views (a report is read every ``report_interval`` or more, a step may take less: two members that planned with
 different speeds brought parts that left the step short, and the round was abandoned; the links benchmark saw it in
 most rounds). Each trainer publishes its part (``ProgressReport.quota``);
 where the published parts of the others leave the step short (their views differed a moment), the first member

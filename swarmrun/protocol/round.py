@@ -148,14 +148,15 @@ def step_target(cursor: DataCursor, target_batch_size: int) -> int:
 
 
 def held_by_others(metas: Sequence[RoundMeta], peer_ids: Sequence[str], *, me: str,
-                   refused: Collection[int] = ()) -> RangeSet:
+                   refused: Collection[int] = (), only: Optional[str] = None) -> RangeSet:
     """The blocks the other members of a round hold gradients for, as their gathered claims say (a refused member
     drops its own): what this peer must not take again at that step. A report leases at most ``MAX_LEASE_RANGES``
     ranges, and a part computed alone before the others came can be thousands of scattered blocks (links.py, outer
-    mode: the others took its unleased blocks, were refused round after round and the run died after 51)."""
+    mode: the others took its unleased blocks, were refused round after round and the run died after 51).
+    ``only``: that member's alone."""
     held = RangeSet()
     for i, (peer, meta) in enumerate(zip(peer_ids, metas)):
-        if peer != me and i not in refused:
+        if peer != me and i not in refused and only in (None, peer):
             held = held.add(meta.blocks)
     return held
 

@@ -16,37 +16,54 @@ def loaded(values):
 def test_a_committed_rounds_residual_goes_into_the_next_steps_round_only():
     fb = ErrorFeedback(loaded([0.0, 0.0]))
     buffers = loaded([3.0, 4.0])
-    assert fb.add_to(buffers, step=7) == pytest.approx(5.0)  # nothing carried yet: the norm of the gradient
+    assert fb.add_to(buffers, step=7, samples=64) == pytest.approx(5.0)  # nothing carried yet: the gradient's norm
     assert torch.equal(buffers[0], torch.tensor([3.0, 4.0]))
 
     fb.residuals[0].copy_(torch.tensor([0.5, -1.0]))  # what the averager process wrote during the round at step 7
-    fb.committed(7)
+    fb.committed(7, samples=64)
     fb.residuals[0].zero_()  # the next round's start: the carry is a copy, not the shared buffers
     buffers = loaded([1.0, 1.0])
-    assert fb.add_to(buffers, step=8) == pytest.approx(float(torch.tensor([1.5, 0.0]).norm()))
+    assert fb.add_to(buffers, step=8, samples=64) == pytest.approx(float(torch.tensor([1.5, 0.0]).norm()))
     assert torch.equal(buffers[0], torch.tensor([1.5, 0.0]))
 
     # an abandoned round at step 8 sends its contribution again with the same carry
     buffers = loaded([1.0, 1.0])
-    fb.add_to(buffers, step=8)
+    fb.add_to(buffers, step=8, samples=64)
     assert torch.equal(buffers[0], torch.tensor([1.5, 0.0]))
 
     # a round at step 8 that commits with this peer's claim refused (weight 0): its carry goes on to step 9
     fb.residuals[0].copy_(torch.tensor([9.0, 9.0]))  # what that round's encoding lost, of a contribution not applied
-    fb.committed(8, delivered=False)
+    fb.committed(8, samples=64, delivered=False)
     buffers = loaded([1.0, 1.0])
-    fb.add_to(buffers, step=9)
+    fb.add_to(buffers, step=9, samples=64)
     assert torch.equal(buffers[0], torch.tensor([1.5, 0.0]))
-    fb.committed(9)  # delivered: the residual of step 9's round replaces it
+    fb.committed(9, samples=64)  # delivered: the residual of step 9's round replaces it
     buffers = loaded([0.0, 0.0])
-    fb.add_to(buffers, step=10)
+    fb.add_to(buffers, step=10, samples=64)
     assert torch.equal(buffers[0], torch.tensor([9.0, 9.0]))
 
     # a round at another step (after a re-sync, a commit alone, a replay) gets none
     for step in (11, 3):
         buffers = loaded([1.0, 1.0])
-        fb.add_to(buffers, step=step)
+        fb.add_to(buffers, step=step, samples=64)
         assert torch.equal(buffers[0], torch.tensor([1.0, 1.0])), step
+
+
+def test_the_carry_is_scaled_to_the_samples_of_the_contribution_it_rides_on():
+    """A round weighs a contribution by its samples: a residual lost by a part of 64 samples weighs 64/total; carried
+    on a part of 256 it must be a quarter as large to deliver the same (and 4 times on a part of 16)."""
+    fb = ErrorFeedback(loaded([0.0, 0.0]))
+    fb.residuals[0].copy_(torch.tensor([4.0, -8.0]))
+    fb.committed(2, samples=64)
+    buffers = loaded([0.0, 0.0])
+    fb.add_to(buffers, step=3, samples=256)
+    assert torch.equal(buffers[0], torch.tensor([1.0, -2.0]))
+    buffers = loaded([0.0, 0.0])
+    fb.add_to(buffers, step=3, samples=16)
+    assert torch.equal(buffers[0], torch.tensor([16.0, -32.0]))
+    buffers = loaded([1.0, 1.0])
+    fb.add_to(buffers, step=3, samples=0)  # a member that brings nothing carries nothing yet
+    assert torch.equal(buffers[0], torch.tensor([1.0, 1.0]))
 
 
 def spec(**hparams):
@@ -74,6 +91,9 @@ def test_make_spec_reads_error_feedback_from_a_set_and_leaves_it_out_otherwise()
     assert with_it.hparams["error_feedback"] is True and with_it.error_feedback
     without, _ = make_spec(run_id="r", task_cls=task_cls, sets={"compression": "8bit"}, seed=0, owner_key=b"")
     assert "error_feedback" not in without.hparams  # a run that does not set it has the spec it had before
+    off, _ = make_spec(run_id="r", task_cls=task_cls, sets={"compression": "8bit", "error_feedback": "false"}, seed=0,
+                       owner_key=b"")
+    assert "error_feedback" not in off.hparams  # nor one that sets it to its default
     with pytest.raises(UsageError, match="error_feedback"):
         make_spec(run_id="r", task_cls=task_cls, sets={"compression": "8bit", "error_feedback": "maybe"}, seed=0,
                   owner_key=b"")

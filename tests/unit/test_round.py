@@ -420,3 +420,4 @@ def test_a_member_learns_the_blocks_the_others_claimed_in_the_round_whatever_the
     assert held_by_others(metas, peers, me="me", refused=(1,)) == big.add(RangeSet.from_items([5000]))
     assert held_by_others(metas, peers, me="me", refused=(1, 2)) == big  # a refused member drops its claim
     assert held_by_others(metas, peers, me="big") == RangeSet.from_items([1, 3, 5000])
+    assert held_by_others(metas, peers, me="me", only="late") == RangeSet.from_items([5000])  # one member's

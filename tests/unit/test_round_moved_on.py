@@ -54,3 +54,16 @@ async def test_a_round_that_forms_is_not_cancelled_while_the_swarm_is_level():
     asyncio.get_running_loop().call_later(0.4, control.future.set_result, "outcome")
     assert await asyncio.wait_for(runner._outcome(control), 5) == "outcome"
     assert not control.cancelled
+
+
+async def test_blocks_claimed_in_the_last_round_stay_out_of_reach_only_while_their_holder_lives_at_that_state():
+    from swarmrun.protocol.cursor import DataCursor, RangeSet
+
+    runner = _runner(lambda: False)
+    cursor = DataCursor.new(seed=1, num_examples=800, block_size=8)
+    held = {"big": RangeSet.from_items([1, 2, 3]), "gone": RangeSet.from_items([9])}
+    runner._held_elsewhere = (3, cursor.applied, held)
+    assert runner.held_elsewhere(cursor, 3, {"big": 0, "gone": 0}) == RangeSet.from_items([1, 2, 3, 9])
+    assert runner.held_elsewhere(cursor, 3, {"big": 0}) == RangeSet.from_items([1, 2, 3])  # one gone holds none
+    assert runner.held_elsewhere(cursor, 4, {"big": 0}) == RangeSet()  # another step
+    assert runner.held_elsewhere(cursor.apply([5]), 3, {"big": 0}) == RangeSet()  # another state at that step number

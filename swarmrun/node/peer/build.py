@@ -63,8 +63,10 @@ def make_spec(*, run_id: str, task_cls: type[Task], sets: Mapping[str, str], see
         hparams = coerce_args(choose_budget(task_cls.hparam_defaults, hp_sets), hp_sets, what="hyperparameter")
         # outer-mode hparams are in the spec only in outer mode (a default run's spec is as it was before them)
         hparams.update(outer_hparams(coerce_args(OUTER_DEFAULTS, outer_sets, what="hyperparameter"), given=outer_sets))
+        # only a value other than its default goes into the spec: a run that says error_feedback=false has the spec
+        # (and spec hash) of one that does not say it
         hparams.update({k: v for k, v in coerce_args(OPTIONAL_HPARAMS, optional_sets, what="hyperparameter").items()
-                        if k in optional_sets})
+                        if k in optional_sets and v != OPTIONAL_HPARAMS[k]})
         task = task_cls(task_sets, seed)
     except TaskError as e:
         raise UsageError(str(e)) from None

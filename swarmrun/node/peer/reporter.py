@@ -241,7 +241,7 @@ class Reporter:
     async def _forever(self) -> None:
         last_revocations = 0.0
         while True:
-            interval = self.interval()
+            interval, started = self.interval(), time.monotonic()
             if time.monotonic() - self._published >= interval / 2:
                 await self.publish()  # not again right after a commit's publish_and_read
             try:
@@ -254,7 +254,9 @@ class Reporter:
                 logger.debug(f"could not read progress: {e!r}")
             if self.config.role == Role.TRAINER:
                 self.on_tick()
-            await asyncio.sleep(interval)
+            # a longer interval counts the turn's DHT calls in (a live peer's reports stay well inside the TTL); the
+            # shortest one sleeps all of it after them, as it always has
+            await asyncio.sleep(max(self.config.report_interval, interval - (time.monotonic() - started)))
 
 
 def _says(record: ProviderRecord) -> tuple:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import torch
 from hivemind import DHT
@@ -63,7 +63,7 @@ def make_averager(params: Sequence[torch.Tensor], dht: DHT, *, spec: Spec, gate,
         dht,
         spec_hash=spec.spec_hash(),
         gate=gate,
-        feedback=ErrorFeedback(averaged) if spec.error_feedback else None,
+        feedback=ErrorFeedback(averaged) if spec.error_feedback and config.role != Role.KEEPER else None,  # sends
         prefix=averager_prefix(spec.run_id),
         start=True,
         min_matchmaking_time=config.matchmaking_time,
@@ -99,12 +99,20 @@ class RoundRunner:
         self.averager, self.dht, self.spec, self.gate, self.config = averager, dht, spec, gate, config
         self.subkey, self.live, self.moved_on, self.stop_requested = subkey, live, moved_on, stop_requested
         self.members, self.alone = members, alone
-        self._held_elsewhere: tuple[Optional[int], RangeSet] = (None, RangeSet())  # (step, blocks): ``held_elsewhere``
+        self._held_elsewhere: tuple = (None, None, {})  # (step, applied blocks, {member: blocks}) of the last round
 
-    def held_elsewhere(self, step: int) -> RangeSet:
-        """The blocks the other members of this peer's last round at ``step`` claimed (``held_by_others``)."""
-        at, blocks = self._held_elsewhere
-        return blocks if at == step else RangeSet()
+    def held_elsewhere(self, cursor: DataCursor, step: int, live: Collection[str]) -> RangeSet:
+        """The blocks the other members of this peer's last round at this state (``step`` and ``cursor``) claimed
+        (``held_by_others``), of those still ``live``: a member that vanished holds nothing (its blocks would stay
+        out of reach for good, and at a data epoch's end the step could never fill)."""
+        at, applied, held = self._held_elsewhere
+        if at != step or applied != cursor.applied:
+            return RangeSet()
+        out = RangeSet()
+        for peer, blocks in held.items():
+            if peer in live:
+                out = out.add(blocks)
+        return out
 
     def load(self, grads: Sequence[torch.Tensor | None], samples: int, *, meta: RoundMeta) -> RoundMeta:
         """Put this peer's mean gradient (the per-sample sum / samples) in the averager's buffers; with error feedback
@@ -118,7 +126,7 @@ class RoundRunner:
                     buf.copy_(g.detach().float().cpu() / max(1, samples))
             if self.averager.feedback is None:
                 return meta
-            return replace(meta, grad_norm=self.averager.feedback.add_to(buffers, meta.step))
+            return replace(meta, grad_norm=self.averager.feedback.add_to(buffers, meta.step, meta.samples))
 
     async def attempt(self, meta: RoundMeta, *, cursor: DataCursor, target: int, tolerance: float,
                       eta: float = 0.0, group_size: Optional[int] = None) -> RoundResult:
@@ -147,11 +155,13 @@ class RoundRunner:
         t1 = time.perf_counter()
         decision, claims = await self._vote(outcome, step=meta.step, cursor=cursor, target=target, tolerance=tolerance)
         me = self.averager.peer_id.to_base58()
-        held = held_by_others(outcome.metas, outcome.peer_ids, me=me, refused=claims.refused)
-        self._held_elsewhere = (meta.step, held)
+        held = {p: held_by_others(outcome.metas, outcome.peer_ids, me=me, refused=claims.refused, only=p)
+                for p in outcome.peer_ids if p != me}
+        self._held_elsewhere = (meta.step, cursor.applied, held)
         if isinstance(decision, Commit) and self.averager.feedback is not None:
             # what this round's encoding lost goes into the next one; a refused claim (weight 0) delivered nothing
-            self.averager.feedback.committed(meta.step, delivered=claims.weights[outcome.peer_ids.index(me)] > 0)
+            self.averager.feedback.committed(meta.step, samples=meta.samples,
+                                             delivered=claims.weights[outcome.peer_ids.index(me)] > 0)
         return RoundResult(decision, claims, outcome, time.perf_counter() - t0, time.perf_counter() - t1)
 
     async def _outcome(self, control, eta: float = 0.0) -> RoundOutcome:

@@ -273,12 +273,12 @@ class Trainer:
 
     # ---- gradients -----------------------------------------------------------------------------------
     def _take_blocks(self, quota: int) -> list[int]:
-        """The next blocks to compute: a batch, or what is left of this peer's part if less."""
-        cursor = self.state.cursor
+        """The next blocks to compute: a batch, or what is left of its part; none the others lease or claimed."""
+        cursor, step, trainers = self.state.cursor, self.state.step, self.view.trainers
         count = max(1, math.ceil(min(self.work.batch(quota), quota - self.samples) / cursor.block_size))
-        leased = self.view.leased(me=self.peer_id, step=self.state.step, data_epoch=cursor.data_epoch)
-        members = sorted(set(self.view.trainers) | {self.peer_id})
-        held = self.claims.blocks.add(leased).add(self.rounds.held_elsewhere(self.state.step))  # the round's: exact
+        leased = self.view.leased(me=self.peer_id, step=step, data_epoch=cursor.data_epoch)
+        held = self.claims.blocks.add(leased).add(self.rounds.held_elsewhere(cursor, step, trainers))
+        members = sorted(set(trainers) | {self.peer_id})
         return pick_blocks(cursor, count, member=members.index(self.peer_id), members=len(members), exclude=held)
 
     async def _compute_once(self, quota: int) -> None:
