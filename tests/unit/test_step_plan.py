@@ -1,10 +1,11 @@
 """The step plan: parts by speed in whole blocks, adding up to the target; reconciling with published parts;
 when a trainer enters the round."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmrun.protocol.plan import my_quota, plan_step, ready_for_round, round_eta
+from swarmrun.protocol.plan import Speed, my_quota, plan_step, ready_for_round, round_eta
 from swarmrun.protocol.round import ProgressReport, Role, SwarmView
 
 
@@ -184,3 +185,24 @@ def test_a_trainer_behind_by_a_fresh_report_is_not_waited_for():
     view = SwarmView(reports={"me": at(5, 100.0), "stale": at(4, 99.0), "behind": at(4, 101.0)})
     plan = plan_step(view, me="me", step=5, my_rate=1.0, target=64, block_size=8, since=100.0)
     assert plan.members == ["me", "stale"]
+
+
+def test_a_speed_pools_whole_parts_not_the_last_batches():
+    """Two peers share a core: each computes 1,000 samples/s while both compute. The one whose part ends last runs
+    alone for its last batches at 2,000/s; an average of its last batches called it twice as fast and planned it
+    twice the part. Pooled over whole parts both are about as fast as they were under the same contention."""
+    first, last = Speed(), Speed()
+    assert first.value == 0.0  # nothing computed yet: no speed
+    for _ in range(8):  # both compute at once
+        first.add(100, 0.1)
+        last.add(100, 0.1)
+    for _ in range(2):  # the first is done; the last runs alone
+        assert last.add(100, 0.05) < 1250
+    first.close()
+    last.close()
+    assert first.value == pytest.approx(1000) and last.value == pytest.approx(1000 / 0.9)
+    first.add(50, 0.1)  # the next part's first batch is pooled with the whole last part
+    assert first.value == pytest.approx(850 / 0.9)
+    first.close()
+    first.close()  # a part that computed nothing leaves the last one as it was
+    assert first.value == pytest.approx(50 / 0.1)

@@ -37,7 +37,7 @@ from swarmrun.node.tasks.base import Task
 from swarmrun.protocol.cursor import RangeSet
 from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, RoundsFailed, Stopped, SwarmrunError
 from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE
-from swarmrun.protocol.plan import my_quota, pick_blocks, plan_step, ready_for_round, round_eta, shortfall_taker
+from swarmrun.protocol.plan import Speed, my_quota, pick_blocks, plan_step, ready_for_round, round_eta, shortfall_taker
 from swarmrun.protocol.round import (Claims, Commit, ProgressReport, Role, RoundMeta, SwarmView, decide_claims,
                                      step_target)
 from swarmrun.protocol.spec import Spec
@@ -108,7 +108,7 @@ class Trainer:
         self._applying = self._met_min_peers = False  # _applying: mid-apply the accumulator is the last step's
         # set by a signal (even one that came before the trainer existed), a pause, or the library's caller
         self.stop_requested = stop_requested if stop_requested is not None else asyncio.Event()
-        self.finished, self.samples_per_second = False, 0.0
+        self.finished, self.samples_per_second, self.speed = False, 0.0, Speed()
         self.snapshots = False  # this peer has a snapshot store (set by its SnapshotSide; reported to the others)
         self.compute_seconds = 0.0  # wall time in the task's forward/backward since the last step event (its compute_s)
         self.step_seconds: Optional[float] = None  # mean wall time of a committed step (EMA), for the ETA
@@ -296,11 +296,11 @@ class Trainer:
         self.samples += n
         self.claims.add(blocks)
         self.last_loss = loss
-        rate = n / max(dt, 1e-6)
-        self.samples_per_second = rate if self.samples_per_second == 0 else 0.8 * self.samples_per_second + 0.2 * rate
+        self.samples_per_second = self.speed.add(n, max(dt, 1e-6))  # pooled over whole parts (plan.Speed: why)
 
     def _zero_accumulator(self) -> None:
         self.work.reset(self.state_hash)
+        self.speed.close()
         self.samples = 0
         self.claims = Claims()
         self.spent_at, self.ready_at, self.quota, self.floor = 0.0, 0.0, None, 0
