@@ -17,6 +17,7 @@ Every function here reads only a ``SwarmView`` and numbers: the same on every pe
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import math
@@ -28,34 +29,47 @@ from swarmrun.protocol.round import ProgressReport, SwarmView
 
 
 class Speed:
-    """A trainer's speed (samples per second of forward and backward): everything it computed of its last whole part
-    and of the current one, pooled (samples / seconds).
+    """A trainer's speed (samples per second of forward and backward), pooled (samples / seconds) over whole parts:
+    the current one and as many of the last ones as make at least ``MIN_BATCHES`` batches.
 
     Not an average of its last batches: peers that share a machine's cores (or a link, a disk) compute faster once
     the others' parts are done, so the last batches of the peer that finishes last are its fastest. Planned by
     those, it got the largest part of the next step and finished last again: on links.py's 4 peers on 2 cores (7
     Dec, outer mode) parts of one step ranged 14,720 to 35,920 samples while each peer computed ~2,400-2,800
     samples/s over its part, and two peers idled ~45% of every step. Pooled over whole parts, speeds measured under
-    the same contention lead to parts that finish together."""
+    the same contention lead to parts that finish together.
+
+    And not over one part only: where many peers share a small target a part is a batch or two, and one stalled
+    batch (8 peers on 2 cores) became the whole speed; the plan gave that peer no block, so it computed nothing and
+    its speed never changed again (churn8 at efe4eba: one peer computed in 11 of its 142 steps, 131 re-syncs in
+    the run against 15 before)."""
+
+    MIN_BATCHES = 16
+    KEEP_PARTS = 64
 
     def __init__(self):
-        self._last = (0, 0.0)  # samples and seconds of the last closed part
-        self._now = (0, 0.0)  # of the current one
+        self._parts: collections.deque = collections.deque(maxlen=self.KEEP_PARTS)  # closed: (samples, s, batches)
+        self._now = (0, 0.0, 0)  # the current part
 
     def add(self, samples: int, seconds: float) -> float:
         """Count a computed batch in; the speed now."""
-        self._now = (self._now[0] + samples, self._now[1] + max(0.0, seconds))
+        n, dt, b = self._now
+        self._now = (n + samples, dt + max(0.0, seconds), b + 1)
         return self.value
 
     def close(self) -> None:
-        """The current part ended (committed, dropped): it becomes the last one (a part with nothing computed
-        leaves the last one as it was)."""
+        """The current part ended (committed, dropped); one with nothing computed leaves no trace."""
         if self._now[0] > 0:
-            self._last, self._now = self._now, (0, 0.0)
+            self._parts.append(self._now)
+            self._now = (0, 0.0, 0)
 
     @property
     def value(self) -> float:
-        n, dt = self._last[0] + self._now[0], self._last[1] + self._now[1]
+        n, dt, b = self._now
+        for pn, pdt, pb in reversed(self._parts):
+            if b >= self.MIN_BATCHES:
+                break
+            n, dt, b = n + pn, dt + pdt, b + pb
         return n / dt if dt > 0 else 0.0
 
 
