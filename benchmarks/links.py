@@ -237,7 +237,7 @@ def summarize(runs: dict[str, dict], failed: dict[str, str], opts) -> dict[str, 
                loss_gap_sync8ef=gap("sync8ef"), loss_gap_outer8ef=gap(f"outer{hl}_8bit_ef"),
                # every mode's samples applied within 5% of sync32's: its eval loss is one at equal samples
                equal_samples=bool(base.get("samples_applied")) and all(
-                   abs(r.get("samples_applied", 0) / base["samples_applied"] - 1) <= 0.05 for r in runs.values()),
+                   abs((r.get("samples_applied") or 0) / base["samples_applied"] - 1) <= 0.05 for r in runs.values()),
                tensor_bytes_ratio_outer8=ratio(f"outer{hl}_8bit", "tensor_bytes_per_sample"),
                tensor_bytes_ratio_sync8=ratio("sync8", "tensor_bytes_per_sample"),
                utilisation_sync32=base.get("utilisation"),

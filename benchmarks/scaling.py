@@ -304,10 +304,14 @@ def main(argv=None) -> int:
     if opts.target_batch_size is None:
         try:
             opts.target_batch_size = calibrate_target(opts, workdir)
-        except (RunFailed, KeyboardInterrupt) as e:
-            say(f"calibration failed: {e}" if isinstance(e, RunFailed) else "interrupted: killing the calibration run")
+        except RunFailed as e:
+            say(f"calibration failed: {e}")
             kill_all()
-            return 1 if isinstance(e, RunFailed) else 130
+            return 1
+        except KeyboardInterrupt:
+            say("interrupted: killing the calibration run")
+            kill_all()
+            return 130
         say(f"target_batch_size {opts.target_batch_size}: one core computed {opts.calibration['samples_per_s']} "
             f"samples/s, {opts.step_seconds:g} s a step")
     opts.num_blocks = count_blocks(opts.task, dict(s.split("=", 1) for s in all_sets(opts)), opts.seed)

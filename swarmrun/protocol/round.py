@@ -148,17 +148,13 @@ def step_target(cursor: DataCursor, target_batch_size: int) -> int:
 
 
 def held_by_others(metas: Sequence[RoundMeta], peer_ids: Sequence[str], *, me: str,
-                   refused: Collection[int] = (), only: Optional[str] = None) -> RangeSet:
-    """The blocks the other members of a round hold gradients for, as their gathered claims say (a refused member
+                   refused: Collection[int] = ()) -> dict[str, RangeSet]:
+    """The blocks each other member of a round holds gradients for, as its gathered claim says (a refused member
     drops its own): what this peer must not take again at that step. A report leases at most ``MAX_LEASE_RANGES``
     ranges, and a part computed alone before the others came can be thousands of scattered blocks (links.py, outer
-    mode: the others took its unleased blocks, were refused round after round and the run died after 51).
-    ``only``: that member's alone."""
-    held = RangeSet()
-    for i, (peer, meta) in enumerate(zip(peer_ids, metas)):
-        if peer != me and i not in refused and only in (None, peer):
-            held = held.add(meta.blocks)
-    return held
+    mode: the others took its unleased blocks, were refused round after round and the run died after 51)."""
+    return {peer: meta.blocks for i, (peer, meta) in enumerate(zip(peer_ids, metas))
+            if peer != me and i not in refused}
 
 
 def claim_samples(blocks: RangeSet, cursor: DataCursor) -> int:

@@ -155,8 +155,7 @@ class RoundRunner:
         t1 = time.perf_counter()
         decision, claims = await self._vote(outcome, step=meta.step, cursor=cursor, target=target, tolerance=tolerance)
         me = self.averager.peer_id.to_base58()
-        held = {p: held_by_others(outcome.metas, outcome.peer_ids, me=me, refused=claims.refused, only=p)
-                for p in outcome.peer_ids if p != me}
+        held = held_by_others(outcome.metas, outcome.peer_ids, me=me, refused=claims.refused)
         self._held_elsewhere = (meta.step, cursor.applied, held)
         if isinstance(decision, Commit) and self.averager.feedback is not None:
             # what this round's encoding lost goes into the next one; a refused claim (weight 0) delivered nothing

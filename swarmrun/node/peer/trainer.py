@@ -108,7 +108,7 @@ class Trainer:
         self._applying = self._met_min_peers = False  # _applying: mid-apply the accumulator is the last step's
         # set by a signal (even one that came before the trainer existed), a pause, or the library's caller
         self.stop_requested = stop_requested if stop_requested is not None else asyncio.Event()
-        self.finished, self.samples_per_second, self.speed = False, 0.0, Speed()
+        self.finished, self.speed = False, Speed()  # speed: this peer's samples/s (plan.Speed)
         self.snapshots = False  # this peer has a snapshot store (set by its SnapshotSide; reported to the others)
         self.compute_seconds = 0.0  # wall time in the task's forward/backward since the last step event (its compute_s)
         self.step_seconds: Optional[float] = None  # mean wall time of a committed step (EMA), for the ETA
@@ -264,7 +264,7 @@ class Trainer:
         if self._plan_step != self.state.step:  # the DHT time this peer reached its step (commit, re-sync, start)
             self._plan_step, self._step_since = self.state.step, get_dht_time()
         committed, agreed = self._agreed  # by state: a re-sync, even to the same step, leaves that round behind
-        return plan_step(self.view, me=self.peer_id, step=self.state.step, my_rate=self.samples_per_second,
+        return plan_step(self.view, me=self.peer_id, step=self.state.step, my_rate=self.speed.value,
                          target=self._target(), block_size=self.state.cursor.block_size, since=self._step_since,
                          agreed=agreed if committed == self.state_hash else {})
 
@@ -296,7 +296,7 @@ class Trainer:
         self.samples += n
         self.claims.add(blocks)
         self.last_loss = loss
-        self.samples_per_second = self.speed.add(n, max(dt, 1e-6))  # pooled over whole parts (plan.Speed: why)
+        self.speed.add(n, max(dt, 1e-6))
 
     def _zero_accumulator(self) -> None:
         self.work.reset(self.state_hash)
@@ -311,7 +311,7 @@ class Trainer:
                          blocks=self.claims.blocks, data_epoch=self.state.cursor.data_epoch,
                          grad_norm=mean_norm(update or self.work.update(self.samples)),
                          certificate=self.gate.credentials or b"", ready_at=self.ready_at,
-                         rate=self.samples_per_second)
+                         rate=self.speed.value)
 
     async def run_round(self) -> None:
         """One attempt at the next step. Commits, or abandons and keeps the accumulated gradients (unless the round
@@ -461,7 +461,7 @@ class Trainer:
 
     def _step_fields(self, **extra) -> dict:
         trainers = self.view.trainers
-        sps = sum(r.samples_per_second for p, r in trainers.items() if p != self.peer_id) + self.samples_per_second
+        sps = sum(r.samples_per_second for p, r in trainers.items() if p != self.peer_id) + self.speed.value
         steps_left = self.spec.steps_left(self.state.step, self.state.cursor)
         if self.step_seconds is not None:
             eta = steps_left * self.step_seconds
@@ -480,7 +480,7 @@ class Trainer:
         step, state_hash, anchor = self.served.position  # one object: not the next step with this one's hash
         held = not (leaving or self._applying)  # mid-apply the accumulator is the last step's: nothing for this one
         return ProgressReport(step=step, samples=self.samples if held else 0, role=self.config.role,
-                              samples_per_second=self.samples_per_second, state_hash=state_hash, time=get_dht_time(),
+                              samples_per_second=self.speed.value, state_hash=state_hash, time=get_dht_time(),
                               finished=self.finished or self.spec.finished(self.state.step, self.state.cursor),
                               certificate=self.gate.credentials or b"", data_epoch=self.state.cursor.data_epoch,
                               claimed=self.claims.lease() if held else RangeSet(),
