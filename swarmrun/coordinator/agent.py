@@ -85,8 +85,9 @@ class _Peer:
     left: Optional[dict] = None
     reader: Optional[asyncio.Task] = None
     stopping: bool = field(default=False)
-    pending: Optional[dict] = None  # the newest step not yet reported
+    pending: Optional[dict] = None  # the newest step, evaluation and snapshot not yet reported (one body)
     reported_at: float = 0.0
+    sending: Optional[asyncio.Task] = None  # the report in flight (the reader never waits for one)
     # the run's state is here: a peer that creates or resumes the run from the start, a joiner once it bootstrapped
     # or stepped. Only such a peer is reported to the coordinator: a joiner still looking for the state does not
     # hold the run (its peers may all have left), and leading others to it restarted the run from step 0
@@ -295,21 +296,34 @@ class Agent:
             cursor = event.get("cursor")
             fields["samples"] = cursor.get("samples_applied") if isinstance(cursor, dict) else None
             self.events.emit("peer_step", run_id=peer.run_id, **fields)
-            peer.pending = {k: v for k, v in fields.items() if v is not None}
+            body = {k: v for k, v in fields.items() if v is not None}
             if isinstance(cursor, dict):  # the run's data accounting, shown on its page
-                peer.pending["cursor"] = {k: cursor[k] for k in CURSOR_KEYS if isinstance(cursor.get(k), int)}
-            await self._flush(peer)
+                body["cursor"] = {k: cursor[k] for k in CURSOR_KEYS if isinstance(cursor.get(k), int)}
+            self._send_soon(peer, body)
         elif kind == "eval" and isinstance(event.get("step"), int) and _finite(event.get("loss")):
-            # a held-out evaluation (every ``eval_every`` steps): rare, reported at once with its own step
+            # a held-out evaluation (every ``eval_every`` steps): sent at once with its own step, unless a report is
+            # in flight (then with the next one: only the newest evaluation is kept)
             self.events.emit("peer_eval", run_id=peer.run_id, step=event["step"], loss=event["loss"])
-            await self._report(peer.run_id, {"step": event["step"], "eval": {"step": event["step"], "loss": event["loss"]}})
+            self._send_soon(peer, {"step": event["step"], "eval": {"step": event["step"], "loss": event["loss"]}},
+                            now=True)
         elif kind == "snapshot" and event.get("where"):
             self.events.emit("peer_snapshot", run_id=peer.run_id, step=event.get("step"), where=event["where"])
-            await self._report(peer.run_id, {"step": event["step"], "snapshot": {"url": event["where"], "step": event["step"]}})
+            self._send_soon(peer, {"step": event["step"], "snapshot": {"url": event["where"], "step": event["step"]}},
+                            now=True)
         elif kind == "left":
             peer.left = event
         elif kind == "error":
             self.events.emit("peer_error", run_id=peer.run_id, message=event.get("message"))
+
+    def _send_soon(self, peer: _Peer, body: dict[str, Any], *, now: bool = False) -> None:
+        """Merge ``body`` into the peer's pending report and send it in the background when due. The peer's events
+        are read one line at a time: a reader that waited for each report (a coordinator slow under load, or one
+        that does not answer for the client's timeout) would fill the peer's stdout pipe, and the peer, blocked on
+        its next line, would stop training. A fast run evaluates many times a second: each of those was a report."""
+        peer.pending = _merged(peer.pending or {}, body)
+        due = now or time.monotonic() - peer.reported_at >= self.config.heartbeat_interval
+        if due and (peer.sending is None or peer.sending.done()):
+            peer.sending = asyncio.ensure_future(self._flush(peer, now=True))
 
     async def _flush(self, peer: _Peer, *, now: bool = False) -> None:
         """Report the newest step, at most once per ``heartbeat_interval`` (a small run steps many times a second;
@@ -328,9 +342,15 @@ class Agent:
             logger.info(f"progress report of run {run_id} not taken: {e}")
         except SwarmrunError as e:
             logger.info(f"progress report of run {run_id} not taken, kept to send again: {e}")
-            old = self.unreported.get(run_id, {})
-            newer = (body.get("step") or 0) >= (old.get("step") or 0)
-            self.unreported[run_id] = {**old, **body} if newer else {**body, **old}
+            self.unreported[run_id] = _merged(self.unreported.get(run_id, {}), body)
+
+    async def _forget_peer(self, peer: _Peer) -> None:
+        """A peer that exited: the report in flight ends (bounded), what was not sent yet goes on the next tick."""
+        if peer.sending is not None:
+            await asyncio.wait([peer.sending], timeout=getattr(self.client, "timeout", 10.0))
+        if peer.pending:
+            self.unreported[peer.run_id] = _merged(self.unreported.get(peer.run_id, {}), peer.pending)
+            peer.pending = None
 
     async def stop_peer(self, reason: str) -> None:
         """SIGTERM to the peer, SIGKILL to its process group after ``stop_timeout``; waits for it."""
@@ -357,6 +377,7 @@ class Agent:
             await asyncio.wait([peer.reader], timeout=5)
         self.events.emit("peer_stopped", run_id=peer.run_id, reason=reason, seconds=round(time.monotonic() - began, 2),
                          killed=killed, exit_code=peer.proc.returncode, left=(peer.left or {}).get("reason"))
+        await self._forget_peer(peer)
         self.peer = None
         self.last_exit = 0.0  # a stop we asked for is no failure: no backoff
 
@@ -369,8 +390,21 @@ class Agent:
         if reason == "finished":
             self.finished.add(peer.run_id)
         self.events.emit("peer_exited", run_id=peer.run_id, exit_code=peer.proc.returncode, left=reason)
+        await self._forget_peer(peer)
         self.peer = None
         self.last_exit = time.monotonic()
+
+
+def _merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Two progress reports of one run as one: the newer step's fields win, and of two evaluations or two snapshots
+    the one of the later step (the registry keeps only the newest of each anyway)."""
+    newer = (new.get("step") or 0) >= (old.get("step") or 0)
+    out = {**old, **new} if newer else {**new, **old}
+    for key in ("eval", "snapshot"):
+        mine = [b[key] for b in (old, new) if isinstance(b.get(key), dict)]
+        if mine:
+            out[key] = max(mine, key=lambda v: v.get("step") or 0)
+    return out
 
 
 def _unsigned_spec(assignment: dict[str, Any], owner_key: bytes) -> bytes:

@@ -68,14 +68,17 @@ class Proc:
         raise AssertionError(f"no {kind} event in {self.out.name} within {bound} s")
 
 
-def _wait(check, bound: float, what: str):
+def _wait(check, bound: float, what: str, logs: tuple[Path, ...] = ()):
+    """``check()`` once it is true; failing after ``bound`` seconds, with the tails of ``logs`` (a peer's stderr:
+    what a CI failure can be read from afterwards)."""
     deadline = time.monotonic() + bound
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         time.sleep(1)
-    raise AssertionError(f"{what}: not within {bound} s")
+    tails = "".join(f"\n--- {p}:\n{p.read_text(errors='replace')[-4000:]}" for p in logs if p.exists())
+    raise AssertionError(f"{what}: not within {bound} s{tails}")
 
 
 def stop_pool(procs: list[Proc], *, agents: list[Proc]) -> None:
@@ -204,7 +207,8 @@ def test_pool_end_to_end(tmp_path):
         os.killpg(coordinator.proc.pid, signal.SIGKILL)
         coordinator.proc.wait(10)
         step1 = _wait(lambda: [e["step"] for e in w1.events("peer_step")][-1:], 30, "w1's steps")[0]
-        _wait(lambda: max(e["step"] for e in w1.events("peer_step")) > step1, START_BOUND, "w1 trains with no coordinator")
+        _wait(lambda: max(e["step"] for e in w1.events("peer_step")) > step1, START_BOUND, "w1 trains with no coordinator",
+              logs=(tmp_path / "w1" / "runs" / "r1" / "peer.log", tmp_path / "w1.log"))
         assert group_exists(w1_peer) and not w1.events("peer_stopped")
         coordinator = Proc("coordinator2", coordinator_args, tmp_path, env)
         procs.append(coordinator)

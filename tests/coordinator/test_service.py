@@ -398,6 +398,7 @@ async def test_a_peer_step_is_reported_with_the_runs_samples_so_far(tmp_path):
     step = {"event": "step", "step": 4, "loss": 0.25, "samples_per_second": 80.0, "peers": 2,
             "cursor": {"samples_applied": 1024, "blocks_applied": 16}}
     await agent._on_peer_line(peer, json.dumps(step).encode())
+    await peer.sending  # sent in the background
     assert agent.client.posts == [("runs/r/progress", {"step": 4, "loss": 0.25, "samples_per_second": 80.0, "peers": 2,
                                                        "samples": 1024,
                                                        "cursor": {"samples_applied": 1024, "blocks_applied": 16}})]
@@ -522,6 +523,7 @@ async def test_a_peers_eval_and_its_cursor_summary_reach_the_registry_through_th
     cursor = {"samples_applied": 640, "blocks_applied": 10, "blocks_pending": 22, "blocks_skipped": 0,
               "blocks_duplicated": 0, "data_epoch": 0, "a_key_of_a_newer_peer": 1}
     await agent._on_peer_line(peer, json.dumps({"event": "eval", "step": 10, "loss": 0.75}).encode())
+    await peer.sending
     await agent._on_peer_line(peer, json.dumps({"event": "step", "step": 10, "loss": 0.8, "cursor": cursor}).encode())
     await agent._on_peer_line(peer, json.dumps({"event": "eval", "step": 11, "loss": float("nan")}).encode())  # not sent
     await agent._flush(peer, now=True)
@@ -565,3 +567,42 @@ async def test_a_joiner_is_reported_to_the_coordinator_only_once_it_holds_the_ru
     await agent.tick()
     beat = [b for p, b in agent.client.posts if p.endswith("heartbeat")][-1]
     assert beat["peer"] == {"run_id": "r", "maddr": None}
+
+
+async def test_a_coordinator_that_does_not_answer_never_holds_up_the_peers_events(tmp_path):
+    """The agent reads its peer's events one line at a time: one that waited for each report of a fast run (many
+    steps and evaluations a second) to a coordinator that did not answer would fill the peer's stdout pipe, and the
+    peer, blocked on its next line, would stop training (CI's pool test once saw no step for 240 s after it killed
+    the coordinator; this is one way there). Every line is read while a report hangs; what came meanwhile is one
+    report, sent once the coordinator answers, with the newest of each kind."""
+    import asyncio
+    import threading
+
+    from swarmrun.coordinator.agent import _Peer
+
+    class _Hung:
+        def __init__(self):
+            self.release, self.posts = threading.Event(), []
+
+        def post(self, path, body=None):
+            assert self.release.wait(30)  # (a bound: never a hung test)
+            self.posts.append((path, body))
+            return {}
+
+    agent = _agent(tmp_path)
+    agent.client = _Hung()
+    peer = _Peer(run_id="r", proc=None, started=0.0)
+    for step in range(1, 101):
+        await asyncio.wait_for(agent._on_peer_line(peer, json.dumps({"event": "step", "step": step}).encode()), 5)
+        if step % 5 == 0:
+            line = {"event": "eval", "step": step, "loss": 1.0 / step}
+            await asyncio.wait_for(agent._on_peer_line(peer, json.dumps(line).encode()), 5)
+    line = {"event": "snapshot", "step": 40, "where": "s@40"}
+    await asyncio.wait_for(agent._on_peer_line(peer, json.dumps(line).encode()), 5)
+    assert [k for k, _ in agent.events.seen].count("peer_step") == 100 and not agent.client.posts
+    agent.client.release.set()
+    await peer.sending  # the first report (step 1), in flight all along
+    await agent._flush(peer, now=True)
+    assert agent.client.posts[0] == ("runs/r/progress", {"step": 1})
+    assert agent.client.posts[1:] == [("runs/r/progress", {"step": 100, "eval": {"step": 100, "loss": 0.01},
+                                                           "snapshot": {"url": "s@40", "step": 40}})]
