@@ -20,6 +20,15 @@ def _leave_all(swarm) -> None:
         assert swarm.wait_exit(name, timeout=120) == 0, swarm.log(name)[-3000:]
 
 
+def _wait_held(swarm, name: str, step: int, timeout: float) -> None:
+    """Wait until peer ``name`` holds a state of ``step`` or later (bootstrapped, re-synced or committed)."""
+    deadline = time.monotonic() + timeout
+    while not any(e["step"] >= step for kind in ("bootstrapped", "resync", "step") for e in swarm.events(name, kind)):
+        assert time.monotonic() < deadline, f"{name} held no state of step >= {step} within {timeout}s: " \
+                                            f"{swarm.log(name)[-2000:]}"
+        time.sleep(0.2)
+
+
 def _assert_one_state_per_step(swarm) -> dict:
     by_step: dict = {}
     for name in swarm.peers:
@@ -45,9 +54,12 @@ def test_joiner_bootstraps_from_several_providers_despite_a_liar(tmp_path):
         assert boot["fetched"] >= 1 and boot["step"] >= 3, boot
         assert boot["providers"] >= 1 and boot["bytes"] > 0, boot
         swarm.wait_for("late", "step", timeout=120)  # it trains in the swarm after the bootstrap
+        # the keeper keeps up: it follows the swarm a re-sync at a time, so it may be a step or two behind at any one
+        # moment (CI: it left at 47 right after the joiner bootstrapped at 48), but it reaches the joiner's step
+        _wait_held(swarm, "keeper", boot["step"], timeout=120)
         _leave_all(swarm)
         _assert_one_state_per_step(swarm)
-        assert [e for e in swarm.events("keeper", "left")][0]["step"] >= boot["step"]  # the keeper kept up
+        assert [e for e in swarm.events("keeper", "left")][0]["step"] >= boot["step"]
         # whoever asked the liar for chunks caught it (and it never got a corrupt state in)
         banned = sum(e.get("banned", 0) for n in ("keeper", "late") for e in swarm.events(n, "bootstrapped")
                      + swarm.events(n, "resync"))

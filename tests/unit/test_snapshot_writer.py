@@ -189,6 +189,7 @@ async def test_a_peer_behind_at_the_pause_step_catches_up_before_it_stops(monkey
                               catchup=SimpleNamespace(behind=lambda: state.step < swarm_step["newest"]))
     side = SnapshotSide(trainer=trainer, signed=None, history=(), events=None)
     side.pause = PauseRecord(run_id="w", spec_hash="0" * 64, at_step=80, time=0.0)
+    monkeypatch.setattr(snapshots, "PAUSE_SETTLE", 0.05)
     watch = asyncio.ensure_future(side._watch_pause())
     await asyncio.sleep(0.1)
     assert trainer.holding and not trainer.stop_requested.is_set()  # held at 80: no step of its own, only catch-up
@@ -201,3 +202,35 @@ async def test_a_peer_behind_at_the_pause_step_catches_up_before_it_stops(monkey
     trainer.stop_requested.clear()
     await asyncio.wait_for(side._watch_pause(), 1.0)  # no provider answers: it stops where it is, bounded
     assert trainer.stop_requested.is_set() and state.step == 81
+
+
+async def test_a_peer_that_commits_the_pause_step_holds_before_it_stops(monkeypatch):
+    """A commit at the pause step holds the peer (no further round) rather than stopping it: its view is a report
+    old, and the others may still commit the round they had in flight when the pause came (CI: a peer left at 76,
+    two at 77, and `node pause` reported 76). It stops once it held for the settle time and is not behind."""
+    import asyncio
+    import time
+
+    from swarmrun.node.peer import snapshots
+    from swarmrun.node.peer.snapshots import SnapshotSide
+    from swarmrun.protocol.snapshot import PauseRecord
+
+    swarm_step = {"newest": 80}
+    state = SimpleNamespace(step=80)
+    trainer = SimpleNamespace(state=state, spec=SimpleNamespace(run_id="w"), holding=0.0, stop_requested=asyncio.Event(),
+                              config=SimpleNamespace(report_interval=0.01),
+                              catchup=SimpleNamespace(behind=lambda: state.step < swarm_step["newest"]))
+    side = SnapshotSide(trainer=trainer, signed=None, history=(), events=None)
+    side.pause = PauseRecord(run_id="w", spec_hash="0" * 64, at_step=80, time=0.0)
+    side._on_commit(SimpleNamespace(step=80))
+    assert trainer.holding and not trainer.stop_requested.is_set()
+    monkeypatch.setattr(snapshots, "PAUSE_SETTLE", 0.3)
+    began = time.monotonic()
+    watch = asyncio.ensure_future(side._watch_pause())
+    await asyncio.sleep(0.1)
+    swarm_step["newest"] = 81  # the others' round in flight committed 81: read within the settle time
+    await asyncio.sleep(0.3)
+    assert not trainer.stop_requested.is_set()  # behind: it catches up rather than stopping at 80
+    state.step = 81
+    await asyncio.wait_for(watch, 1.0)
+    assert trainer.stop_requested.is_set() and time.monotonic() - began >= 0.3

@@ -33,6 +33,7 @@ HISTORY_TIMEOUT = 5.0  # a joined peer's read of an amended run's history, befor
 FRESH_VIEW_TIMEOUT = 3.0  # a leaving peer's last read of the run's reports (its DHT may be leaving too)
 PAUSE_GIVE_UP = 600.0  # a paused peer whose every write failed leaves after this long without any snapshot
 PAUSE_CATCH_UP = 20.0  # a peer the swarm is ahead of at the pause step catches up this long at most before it stops
+PAUSE_SETTLE = 3.0  # and one at the pause step holds at least this long (or two report intervals) before it stops
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -324,11 +325,14 @@ class SnapshotSide:
         while True:
             if self.pause is None:
                 self.pause = await self._read_pause(key)
-            # a peer at (or past) the pause step stops now. One the swarm is ahead of (a round in flight when the pause
-            # came committed a step without it: CI saw it leave a step behind the others) steps no further, catches up
+            # a peer at (or past) the pause step steps no further (``holding``). A round the others had in flight when
+            # the pause came may still commit a step without it (CI saw a peer leave a step behind the others, twice:
+            # stopping at once and stopping as soon as its view said "not behind", a view a report old): it holds long
+            # enough for such a commit to reach its view, catches up to it, and stops
             if self.pause is not None and t.state.step >= self.pause.at_step:
                 t.holding = t.holding or time.monotonic()
-                if not t.catchup.behind() or time.monotonic() - t.holding > PAUSE_CATCH_UP:
+                held = time.monotonic() - t.holding
+                if (held >= self.settle_seconds() and not t.catchup.behind()) or held > PAUSE_CATCH_UP:
                     t.stop_requested.set()
                     return
             await asyncio.sleep(t.config.report_interval)
@@ -356,9 +360,17 @@ class SnapshotSide:
         logger.info(f"the run's owner paused it at step {record.at_step}")
         return record
 
+    def settle_seconds(self) -> float:
+        """How long a peer at the pause step holds before it stops: a round in flight elsewhere ends, its commit is
+        published and read back (each a report interval, longer when steps are long)."""
+        t = self.trainer
+        interval = t.reporter.interval() if getattr(t, "reporter", None) is not None else t.config.report_interval
+        return min(max(PAUSE_SETTLE, 2 * interval), PAUSE_CATCH_UP / 2)
+
     def _on_commit(self, frozen: FrozenState) -> None:
         if self.pause is not None and frozen.step >= self.pause.at_step:
-            self.trainer.stop_requested.set()  # called before the trainer loop goes on: no further step starts
+            # called before the trainer loop goes on: no further step starts (``_watch_pause`` says when it stops)
+            self.trainer.holding = self.trainer.holding or time.monotonic()
 
     async def _pause_snapshot(self) -> PauseNote:
         """The state this peer stopped at (a round in flight when the pause came may have committed one more

@@ -222,7 +222,7 @@ class Trainer:
         elif self.catchup.waiting():  # for the step it asked to be planned in: the swarm's next commits come first
             await asyncio.sleep(self.config.report_interval / 4)
             await self.reporter.refresh()
-        elif self.config.role == Role.KEEPER:
+        elif self.config.role == Role.KEEPER or self.holding:  # a paused peer computes nothing more: it catches up
             await asyncio.sleep(self.config.report_interval)
         elif not self._peers_met():
             if self.samples < self.spec.target_batch_size:
