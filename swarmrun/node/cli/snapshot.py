@@ -318,10 +318,9 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
             # only the trainers' own signed notes count: a stranger's "left, written to STORE@..." is ignored
             notes = trainer_notes(await read_subkeys(dht, paused_key(run_id), PauseNote.decode, signed=True),
                                   trainers=trainers | live, step=record.at_step)
-            # the newest step written: a round in flight when the pause came may have committed one step more on some
-            # peers, and those write it themselves (CI: the command reported the elected writer's older step)
-            written = max([n for n in notes.values() if n.where] + ([written] if written else []),
-                          key=lambda n: n.step, default=None)
+            # the newest step written (a round in flight when the pause came may have committed one more on some)
+            written = max([n for n in notes.values() if n.where] + [written] * bool(written), key=lambda n: n.step,
+                          default=None)
             waiting = {p for p in trainers & live if not (notes.get(p) and notes[p].left)}
             if written is not None and not waiting:
                 break

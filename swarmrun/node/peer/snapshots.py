@@ -363,9 +363,8 @@ class SnapshotSide:
     def settle_seconds(self) -> float:
         """How long a peer at the pause step holds before it stops: a round in flight elsewhere ends, its commit is
         published and read back (each a report interval, longer when steps are long)."""
-        t = self.trainer
-        interval = t.reporter.interval() if getattr(t, "reporter", None) is not None else t.config.report_interval
-        return min(max(PAUSE_SETTLE, 2 * interval), PAUSE_CATCH_UP / 2)
+        reporter = getattr(self.trainer, "reporter", None)
+        return min(max(PAUSE_SETTLE, 2 * reporter.interval() if reporter else 0.0), PAUSE_CATCH_UP / 2)
 
     def _on_commit(self, frozen: FrozenState) -> None:
         if self.pause is not None and frozen.step >= self.pause.at_step:
