@@ -125,6 +125,9 @@ class Agent:
                     pass
         finally:
             await self.stop_peer("agent stopping")
+            for run_id, report in list(self.unreported.items()):  # the peer's last word (its leave's snapshot)
+                del self.unreported[run_id]
+                await self._report(run_id, report)
 
     async def tick(self) -> None:
         present = self.resident.present()
@@ -340,8 +343,8 @@ class Agent:
             await asyncio.to_thread(self.client.post, f"runs/{run_id}/progress", body)
         except (AccessRefused, UsageError) as e:  # released meanwhile (403), or refused: the peer's steps stand
             logger.info(f"progress report of run {run_id} not taken: {e}")
-        except SwarmrunError as e:
-            logger.info(f"progress report of run {run_id} not taken, kept to send again: {e}")
+        except Exception as e:  # down, or an answer cut short (http.client.IncompleteRead is no OSError)
+            logger.info(f"progress report of run {run_id} not taken, kept to send again: {type(e).__name__}: {e}")
             self.unreported[run_id] = _merged(self.unreported.get(run_id, {}), body)
 
     async def _forget_peer(self, peer: _Peer) -> None:
@@ -401,7 +404,7 @@ def _merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     newer = (new.get("step") or 0) >= (old.get("step") or 0)
     out = {**old, **new} if newer else {**new, **old}
     for key in ("eval", "snapshot"):
-        mine = [b[key] for b in (old, new) if isinstance(b.get(key), dict)]
+        mine = [b[key] for b in (new, old) if isinstance(b.get(key), dict)]  # of one step, the newer report's
         if mine:
             out[key] = max(mine, key=lambda v: v.get("step") or 0)
     return out

@@ -350,6 +350,18 @@ async def test_a_report_the_coordinator_could_not_take_is_sent_again(tmp_path):
     assert agent.client.posts[0] == ("runs/r/progress", {"step": 20, "loss": 0.5, "snapshot": {"url": "s@7", "step": 7}})
     assert agent.unreported == {}
 
+    # an answer cut short (the coordinator killed mid-answer: http.client.IncompleteRead is no OSError) is kept too,
+    # and of two snapshots of one step the newer report's wins
+    import http.client
+
+    def cut(path, body=None):
+        raise http.client.IncompleteRead(b"{")
+
+    agent.client.post = cut
+    await agent._report("r", {"step": 30, "snapshot": {"url": "a@30", "step": 30}})
+    await agent._report("r", {"step": 30, "snapshot": {"url": "b@30", "step": 30}})
+    assert agent.unreported == {"r": {"step": 30, "snapshot": {"url": "b@30", "step": 30}}}
+
 
 def test_a_restarted_coordinator_does_not_count_its_own_outage_against_the_workers(registry, clock):
     submit(registry, "r")
