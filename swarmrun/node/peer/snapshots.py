@@ -1,9 +1,8 @@
 """A peer's side of snapshots: the elected writer (a commit hook), the pause watcher, and resuming a run.
 
-Training never waits for storage: the commit hook only decides (``decide_snapshot``, a pure function) and
-hands the already frozen state of the step (``trainer.frozen``, the copy the trainer makes anyway to serve
-joiners) to a worker thread. One write is in flight at a time; a step that comes while one is, waits for
-the next decision.
+Training never waits for storage: the commit hook only decides (``decide_snapshot``, a pure function) and hands the
+already frozen state of the step (``trainer.frozen``, the copy the trainer makes anyway to serve joiners) to a worker
+thread. One write is in flight at a time; a step that comes while one is, waits for the next decision.
 """
 
 from __future__ import annotations
@@ -361,10 +360,11 @@ class SnapshotSide:
         return record
 
     def settle_seconds(self) -> float:
-        """How long a peer at the pause step holds before it stops: a round in flight elsewhere ends, its commit is
-        published and read back (each a report interval, longer when steps are long)."""
-        reporter = getattr(self.trainer, "reporter", None)
-        return min(max(PAUSE_SETTLE, 2 * reporter.interval() if reporter else 0.0), PAUSE_CATCH_UP / 2)
+        """How long a peer at the pause step holds before it stops: a round the others form ends (a group waits up to 3
+        matchmaking times), its commit is published and read back (a report interval each). At most PAUSE_CATCH_UP/2."""
+        t, reporter = self.trainer, getattr(self.trainer, "reporter", None)
+        rounds = 3 * getattr(t.config, "matchmaking_time", 0.0) + t.config.report_interval
+        return min(max(PAUSE_SETTLE, 2 * reporter.interval() if reporter else 0.0, rounds), PAUSE_CATCH_UP / 2)
 
     def _on_commit(self, frozen: FrozenState) -> None:
         if self.pause is not None and frozen.step >= self.pause.at_step:

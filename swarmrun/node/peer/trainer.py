@@ -473,8 +473,8 @@ class Trainer:
 
     # ---- progress reports ----------------------------------------------------------------------------
     def _report(self) -> ProgressReport:
-        # a leaving peer releases its blocks in its last report rather than holding them until the report expires
-        left = self.stop_requested.is_set() or (
+        # a leaving peer releases its blocks in its last report rather than holding them until the report expires; so
+        left = self.stop_requested.is_set() or bool(self.holding) or (  # does one a pause holds: no one waits for it
             self.config.max_steps is not None and self.state.step >= self.config.max_steps)
         leaving = self.finished or left
         step, state_hash, anchor = self.served.position  # one object: not the next step with this one's hash
