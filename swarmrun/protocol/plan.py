@@ -190,14 +190,11 @@ def others_planned(view: SwarmView, *, me: str, step: int) -> int:
 
 
 def ready_for_round(view: SwarmView, *, me: str, step: int, samples: int, quota: int, target: int) -> bool:
-    """Enter matchmaking once this trainer's part is computed. With nothing to bring (no free block left to it: its
-    part is 0), only when the others' parts make the step: it takes part with zero weight (weights are the claimed
-    samples); without it, a peer holding every block left in a data epoch would wait for a group that never forms.
-    One with a part to compute and nothing computed yet computes it: the outer trace's joiners, each planning the
-    step for itself while the creator's report said the same, entered empty-handed, met each other and abandoned
-    a round with no accepted samples every ~0.1 s until the creator came (6 of a run's 9 distinct abandoned rounds)."""
+    """Enter matchmaking once this trainer's part is computed. With nothing to bring (no free block left to it),
+    only when the others' parts make the step: it takes part with zero weight (weights are the claimed samples);
+    without it, a peer holding every block left in a data epoch would wait for a group that never forms."""
     if samples <= 0:
-        return quota <= 0 and others_planned(view, me=me, step=step) >= target
+        return others_planned(view, me=me, step=step) >= target
     return samples >= quota
 
 

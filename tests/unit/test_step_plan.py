@@ -169,9 +169,6 @@ def test_entering_the_round_and_its_eta():
     # with nothing to bring: only when the others' parts make the step
     assert not ready_for_round(view, me="me", step=3, samples=0, quota=0, target=49)
     assert ready_for_round(view, me="me", step=3, samples=0, quota=0, target=48)
-    # with a part of its own to compute and nothing computed: it computes (two such joiners met empty-handed and
-    # abandoned a round with no accepted samples every ~0.1 s: the outer trace)
-    assert not ready_for_round(view, me="me", step=3, samples=0, quota=32, target=48)
     plan = plan_step(view, me="me", step=3, my_rate=8.0, target=80, block_size=8)
     # b has 32 samples left at 8/s; c (one step behind, 1 sample/s) has its whole part of this plan ahead of it
     assert round_eta(plan, view, me="me", step=3) == max(4.0, plan.quotas["c"] / 1.0)
