@@ -304,6 +304,18 @@ def latency_applied(rec: Record) -> tuple[bool, list[str]]:
     return not problems, problems
 
 
+def pauses_carried_out(rec: Record) -> tuple[bool, list[str]]:
+    """Every pause the trace planned paused the run (``node pause`` returned a snapshot): a trace whose run finished
+    before its pause could be read (the pause trace's 36 steps, once steps took 0.1 s) passed every other invariant
+    without ever pausing."""
+    kinds = [f["kind"] for f in rec.faults]
+    problems = [f"the pause at t={f['t']:.1f}s failed: {f.get('message')}" for f in rec.faults
+                if f["kind"] == "pause_failed"]
+    if not problems and kinds.count("paused") < kinds.count("pause"):
+        problems.append(f"{kinds.count('paused')} of {kinds.count('pause')} pauses paused the run")
+    return not problems, problems
+
+
 def check_all(rec: Record, *, cleaned: bool, loss_ok: Optional[bool]) -> tuple[dict, dict]:
     """Every invariant (name -> bool) and the problems found (name -> list of lines)."""
     inv, why = {}, {}
@@ -326,6 +338,8 @@ def check_all(rec: Record, *, cleaned: bool, loss_ok: Optional[bool]) -> tuple[d
     why["processes_cleaned_up"] = [] if cleaned else ["a peer process outlived the run"]
     if rec.proxies:
         inv["latency_applied"], why["latency_applied"] = latency_applied(rec)
+    if any(f["kind"] == "pause" for f in rec.faults):
+        inv["pauses_carried_out"], why["pauses_carried_out"] = pauses_carried_out(rec)
     if loss_ok is not None:
         inv["final_loss_within_tolerance"] = loss_ok
     return inv, {k: v for k, v in why.items() if v}

@@ -35,6 +35,18 @@ def test_a_healthy_record_passes_every_invariant():
                         "final_loss_within_tolerance"}
 
 
+def test_a_planned_pause_that_never_paused_the_run_fails():
+    rec = healthy()
+    rec.faults = [{"t": 1.5, "kind": "pause", "peer": None}]
+    inv, problems = check_all(rec, cleaned=True, loss_ok=None)
+    assert not inv["pauses_carried_out"] and "0 of 1" in problems["pauses_carried_out"][0]
+    rec.faults.append({"t": 4.0, "kind": "pause_failed", "peer": None, "message": "run 'r' has no live trainer"})
+    assert "no live trainer" in check_all(rec, cleaned=True, loss_ok=None)[1]["pauses_carried_out"][0]
+    rec.faults = [{"t": 1.5, "kind": "pause", "peer": None}, {"t": 4.0, "kind": "paused", "peer": None, "step": 2}]
+    inv, problems = check_all(rec, cleaned=True, loss_ok=None)
+    assert inv["pauses_carried_out"] and all(inv.values()), problems
+
+
 def test_two_hashes_at_one_step_fail_while_both_holders_live():
     rec = healthy()
     rec.events.append((7.2, "peer2.0", step(3, "X")))
