@@ -319,8 +319,7 @@ async def pause_run(run_id: str, initial_peers, *, key, store: str, timeout: flo
             notes = trainer_notes(await read_subkeys(dht, paused_key(run_id), PauseNote.decode, signed=True),
                                   trainers=trainers | live, step=record.at_step)
             # the newest step written (a round in flight when the pause came may have committed one more on some)
-            written = max([n for n in notes.values() if n.where] + [written] * bool(written), key=lambda n: n.step,
-                          default=None)
+            written = max((n for n in (written, *notes.values()) if n and n.where), key=lambda n: n.step, default=None)
             waiting = {p for p in trainers & live if not (notes.get(p) and notes[p].left)}
             if written is not None and not waiting:
                 break

@@ -362,9 +362,9 @@ class SnapshotSide:
     def settle_seconds(self) -> float:
         """How long a peer at the pause step holds before it stops: a round the others form ends (a group waits up to 3
         matchmaking times), its commit is published and read back (a report interval each). At most PAUSE_CATCH_UP/2."""
-        t, reporter = self.trainer, getattr(self.trainer, "reporter", None)
-        rounds = 3 * getattr(t.config, "matchmaking_time", 0.0) + t.config.report_interval
-        return min(max(PAUSE_SETTLE, 2 * reporter.interval() if reporter else 0.0, rounds), PAUSE_CATCH_UP / 2)
+        t = self.trainer
+        rounds = 3 * t.config.matchmaking_time + t.config.report_interval
+        return min(max(PAUSE_SETTLE, 2 * t.reporter.interval(), rounds), PAUSE_CATCH_UP / 2)
 
     def _on_commit(self, frozen: FrozenState) -> None:
         if self.pause is not None and frozen.step >= self.pause.at_step:
