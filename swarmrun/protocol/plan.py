@@ -198,6 +198,14 @@ def ready_for_round(view: SwarmView, *, me: str, step: int, samples: int, quota:
     return samples >= quota
 
 
+def run_eta(steps_left: int, *, step_seconds: Optional[float], target: int, samples_per_second: float) -> Optional[float]:
+    """Seconds until the run ends: the steps left at a step's mean wall time once known; before that, at the swarm's
+    compute speed alone (an underestimate: rounds are not counted); None without either."""
+    if step_seconds is not None:
+        return steps_left * step_seconds
+    return steps_left * target / samples_per_second if samples_per_second > 0 else None
+
+
 def round_eta(plan: StepPlan, view: SwarmView, *, me: str, step: int) -> float:
     """Seconds until the slowest other member of the plan should have computed its part: what is left of its
     published part at its speed, or its whole part of this plan if it has not reached this step yet."""

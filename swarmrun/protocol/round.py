@@ -444,6 +444,11 @@ class Claims:
         self.blocks = self.blocks.add(RangeSet.from_items(blocks))
         self._taken.extend(blocks)
 
+    def copy(self) -> "Claims":
+        other = Claims()
+        other.blocks, other._taken = self.blocks, list(self._taken)
+        return other
+
     def lease(self) -> RangeSet:
         if len(self.blocks.ranges) <= MAX_LEASE_RANGES:
             return self.blocks

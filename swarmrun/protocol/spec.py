@@ -32,7 +32,7 @@ ACCESS_POLICIES = ("open", "invite")
 COMPRESSIONS = ("none", "fp16", "bf16", "8bit", "quantile8bit")
 #: hyperparameters a spec holds only when a run sets them (a run without them has the spec it had before them), with
 #: the default a peer assumes when one is absent
-OPTIONAL_HPARAMS = {"error_feedback": False}
+OPTIONAL_HPARAMS = {"error_feedback": False, "outer_overlap": False}
 _UNAVAILABLE_COMPRESSIONS = {"blockwise8": "hivemind's blockwise 8-bit codec needs bitsandbytes, which swarmrun does "
                                            "not depend on; use 8bit"}
 MAX_SPEC_SIZE = 1 << 20
@@ -147,6 +147,12 @@ class Spec:
             raise UsageError("hparams['error_feedback'] needs a lossy compression (fp16, bf16, 8bit, quantile8bit): "
                              "with none nothing is lost to carry forward")
         check_outer(self.hparams)
+        overlap = self.hparams.get("outer_overlap", False)
+        if not isinstance(overlap, bool):
+            raise UsageError(f"hparams['outer_overlap'] must be true or false, got {overlap!r}")
+        if overlap and self.hparams.get("outer", "none") != "diloco":
+            raise UsageError("hparams['outer_overlap'] needs outer=diloco: it runs the next inner steps while the "
+                             "outer round communicates")
         tolerance = self.hparams.get("step_tolerance", DEFAULT_STEP_TOLERANCE)
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
             raise UsageError(f"hparams['step_tolerance'] must be a number in [0, 1), got {tolerance!r}")
@@ -228,6 +234,12 @@ class Spec:
     def outer(self) -> str:
         """How a committed step is made, one of ``OUTERS`` (``none`` for a spec without one)."""
         return str(self.hparams.get("outer", "none"))
+
+    @property
+    def outer_overlap(self) -> bool:
+        """Outer mode only: whether a trainer takes the next step's inner steps while the outer round communicates
+        (``node.peer.work.InnerSteps.carry``: applied on top of the committed state, one round late)."""
+        return bool(self.hparams.get("outer_overlap", False))
 
     @property
     def inner_steps(self) -> int:

@@ -18,13 +18,15 @@ TOTAL_STEPS, BLOCK_SIZE, INNER_STEPS = 6, 8, 4
 
 # 8bit: fc1 (16 x 256 = 4096 values) goes in 8 bits, the rest in fp16: the pseudo-gradient goes through the same
 # averaged buffers, so the codec applies to it as to a gradient
-@pytest.mark.parametrize("compression", ["none", "8bit"])
-def test_two_peers_in_outer_mode_agree_on_every_step_and_apply_every_block_once(tmp_path, compression):
-    with Swarm(tmp_path, f"outer-{compression}") as swarm:
+# overlap: the next step's inner steps run while the outer round communicates (outer_overlap)
+@pytest.mark.parametrize("compression, overlap", [("none", False), ("8bit", False), ("none", True)],
+                         ids=["none", "8bit", "overlap"])
+def test_two_peers_in_outer_mode_agree_on_every_step_and_apply_every_block_once(tmp_path, compression, overlap):
+    with Swarm(tmp_path, f"outer-{compression}-{overlap}") as swarm:
         common = ("--matchmaking-time", "1.0")
         swarm.create("p0", "--task", "synthetic", "--set", f"total_steps={TOTAL_STEPS}", "--set", "eval_every=1",
                      "--set", f"block_size={BLOCK_SIZE}", "--set", "outer=diloco", "--set", "hidden=256",
-                     "--set", f"compression={compression}",
+                     "--set", f"compression={compression}", "--set", f"outer_overlap={str(overlap).lower()}",
                      "--set", f"inner_steps={INNER_STEPS}", "--set", "outer_momentum=0.5", "--min-peers", "2",
                      *common)
         swarm.join("p1", *common, "--batch-size", "8")
@@ -66,6 +68,11 @@ def test_two_peers_in_outer_mode_agree_on_every_step_and_apply_every_block_once(
             assert e["samples"] >= 0.95 * 64, e  # target_batch_size counts the samples of all inner steps
             applied_before = e["cursor"]["blocks_applied"]
         assert applied_before == lefts["p0"]["cursor"]["blocks_applied"]
+
+        # with the overlap, work computed during a round is carried into the next step (the step event's
+        # samples_accumulated, counted after the commit); without it nothing is
+        ahead = [e["samples_accumulated"] for name in names for e in swarm.events(name, "step")]
+        assert any(ahead) if overlap else not any(ahead), ahead
 
         evals = swarm.events("p0", "eval")
         assert evals[-1]["step"] == TOTAL_STEPS and evals[-1]["loss"] < evals[0]["loss"], evals

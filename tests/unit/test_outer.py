@@ -199,3 +199,63 @@ def test_the_local_work_of_each_mode():
     plain.compute([0])
     grads, samples = plain.update(8)
     assert samples == 8 and all(g is not None for g in grads)
+
+
+# ---- overlap (outer_overlap) ----------------------------------------------------------------------------------
+def test_outer_overlap_is_an_optional_bool_of_outer_mode_only():
+    assert not spec_from(OUTER).outer_overlap and "outer_overlap" not in spec_from(OUTER).hparams  # old specs' hash
+    assert spec_from({**OUTER, "outer_overlap": "true"}).outer_overlap
+    with pytest.raises(UsageError, match="outer_overlap.*needs outer=diloco"):
+        spec_from({"outer_overlap": "true"})
+    with pytest.raises(RemoteProtocolError, match="outer_overlap"):  # a received spec is checked alike
+        Spec.from_dict({**spec_from(OUTER).to_dict(), "hparams": {**spec_from(OUTER).hparams, "outer_overlap": 1}})
+
+
+def test_work_computed_during_the_round_moves_onto_the_committed_state_and_nothing_else_does():
+    """``InnerSteps.hold`` / ``carry``: the inner steps taken after the round took its pseudo-gradient go on from the
+    committed parameters (committed + what they moved); without any, the inner model is the committed one exactly;
+    after ``release`` (the round was abandoned) they are dropped and the round's own steps kept."""
+    from types import SimpleNamespace
+
+    from swarmrun.node.peer.work import make_work
+
+    task, config = SyntheticTask({}, 1), SimpleNamespace(batch_size=8, mixed_precision=False)
+    spec = spec_from({**OUTER, "total_steps": "10", "outer_overlap": "true"})
+    state = initial_state(spec, task, "cpu")
+    work = make_work(spec=spec, task=task, state=state, device=torch.device("cpu"), config=config)
+    work.reset("h0")
+    work.compute([0, 1])
+    work.hold()  # the round takes its pseudo-gradient here
+    sent = [p.detach().clone() for p in state.inner.model.parameters()]
+    work.compute([2, 3])  # ahead, during the round
+    moved = [p.detach() - s for p, s in zip(state.inner.model.parameters(), sent)]
+    assert any(float(m.abs().sum()) > 0 for m in moved) and work.fields() == {"inner_steps": 1}  # the round's step
+    with torch.no_grad():  # the commit: some outer step of the run state's model
+        for p in state.model.parameters():
+            p.add_(0.25)
+    work.carry("h1")
+    assert not work.stale("h1") and work.fields() == {"inner_steps": 1}  # the step taken ahead counts for the next
+    for p, c, m in zip(state.inner.model.parameters(), state.model.parameters(), moved):
+        assert torch.allclose(p, c + m, atol=1e-6)
+    update, _ = work.update(0)  # the next pseudo-gradient holds the work taken ahead
+    assert all(torch.allclose(u, -m, atol=1e-6) for u, m in zip(update, moved))
+
+    work.hold()  # a round, nothing computed during it, a commit: the inner model is the committed one, bit for bit
+    with torch.no_grad():
+        for p in state.model.parameters():
+            p.mul_(0.5)
+    state.inner.model.load_state_dict(state.model.state_dict())  # (as if the inner model were at the start)
+    work.hold()
+    work.carry("h2")
+    assert all(torch.equal(p, c) for p, c in zip(state.inner.model.parameters(), state.model.parameters()))
+
+    work.compute([4])
+    work.hold()  # abandoned: release puts the inner model back where the round took it, its one step kept
+    before = [p.detach().clone() for p in state.inner.model.parameters()]
+    work.compute([5])
+    assert not all(torch.equal(p, b) for p, b in zip(state.inner.model.parameters(), before))
+    work.release()
+    assert not work.stale("h2") and work.fields() == {"inner_steps": 1}
+    assert all(torch.equal(p, b) for p, b in zip(state.inner.model.parameters(), before))
+    work.carry("h3")  # no hold: a plain restart from the committed state
+    assert all(torch.equal(p, c) for p, c in zip(state.inner.model.parameters(), state.model.parameters()))

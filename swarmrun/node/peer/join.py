@@ -279,7 +279,7 @@ async def _bootstrap(opts: JoinOptions, trainer: Trainer, plan, events: Events) 
     view = await read_view(trainer.dht, trainer.spec.run_id, trainer.gate)
     if view.reports or await read_providers(trainer.dht, trainer.spec.run_id, trainer.gate):
         t0 = time.perf_counter()
-        how = await trainer.catch_up(deadline=time.monotonic() + opts.trainer.state_timeout)
+        how = await trainer.catchup.catch_up(deadline=time.monotonic() + opts.trainer.state_timeout)
         events.emit("bootstrapped", step=state.step, state_hash=trainer.state_hash,
                     seconds=round(time.perf_counter() - t0, 3), **how)
 

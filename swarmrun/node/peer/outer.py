@@ -61,12 +61,28 @@ class Inner:
         with torch.no_grad():
             for mine, theirs in zip(self.model.state_dict().values(), model.state_dict().values()):
                 mine.copy_(theirs)
+        self._started(base, lr, steps=0)
+
+    def rebase(self, model: torch.nn.Module, sent: Sequence[torch.Tensor], *, base: str, steps: int,
+               lr: Optional[Sequence[float]] = None) -> None:
+        """Start the next outer step from the committed ``model`` keeping the inner steps taken since the round took
+        its pseudo-gradient (``sent``: the inner parameters then; ``steps`` of them since): each parameter becomes
+        committed + (inner - sent), which is the committed parameter itself where no step moved it. Buffers are the
+        committed ones. Those steps were computed at the older parameters: the overlap's delay of one round."""
+        with torch.no_grad():
+            for mine, theirs, then in zip(self.model.parameters(), model.parameters(), sent):
+                mine.copy_(theirs.to(mine.device, mine.dtype) + (mine - then))
+            for mine, theirs in zip(self.model.buffers(), model.buffers()):
+                mine.copy_(theirs)
+        self._started(base, lr, steps=steps)
+
+    def _started(self, base: str, lr: Optional[Sequence[float]], *, steps: int) -> None:
         for p in self.model.parameters():
             p.grad = None
         if lr is not None:
             for group, value in zip(self.optimizer.param_groups, lr):
                 group["lr"] = value
-        self.base, self.steps = base, 0
+        self.base, self.steps = base, steps
 
     def step(self, samples: int, *, clip: float = 0.0) -> None:
         """One inner step on the per-sample sum of gradients in ``param.grad`` (``samples`` of them): their mean,

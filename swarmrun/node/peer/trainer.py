@@ -14,7 +14,6 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,51 +25,26 @@ from swarmrun.node.net.swarm import record_validator, signed_subkey
 from swarmrun.node.output import Events
 from swarmrun.node.peer.access import AccessGate
 from swarmrun.node.peer.catchup import CatchUp
+from swarmrun.node.peer.config import TrainerConfig
 from swarmrun.node.peer.reporter import Reporter
-from swarmrun.node.peer.rounds import RoundRunner, SwarmMovedOn, make_averager
+from swarmrun.node.peer.rounds import RoundResult, RoundRunner, SwarmMovedOn, make_averager
 from swarmrun.node.peer.served import ServedState
 from swarmrun.node.peer.stepper import StepThread
-from swarmrun.node.peer.work import make_work, mean_norm
+from swarmrun.node.peer.work import Ahead, make_work, mean_norm
 from swarmrun.node.state.run import FrozenState, RunState
 from swarmrun.node.state.steps import make_step_record
 from swarmrun.node.tasks.base import Task
 from swarmrun.protocol.cursor import RangeSet
 from swarmrun.protocol.errors import CatchUpFailed, IncompatibleState, RoundsFailed, Stopped, SwarmrunError
 from swarmrun.protocol.manifest import DEFAULT_CHUNK_SIZE
-from swarmrun.protocol.plan import Speed, my_quota, pick_blocks, plan_step, ready_for_round, round_eta, shortfall_taker
+from swarmrun.protocol.plan import (Speed, my_quota, pick_blocks, plan_step, ready_for_round, round_eta, run_eta,
+                                    shortfall_taker)
 from swarmrun.protocol.round import (Claims, Commit, ProgressReport, Role, RoundMeta, SwarmView, decide_claims,
                                      step_target)
 from swarmrun.protocol.spec import Spec
 
 logger = logging.getLogger("swarmrun.trainer")
 LAST_REPORT_TIMEOUT = 5.0  # the last report on the way out (the DHT may be leaving too)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainerConfig:
-    """Knobs of a trainer. Timeouts work on loopback and on a WAN; all are seconds."""
-
-    batch_size: int = 16
-    device: str = "cpu"
-    max_steps: Optional[int] = None  # leave once the run reaches this step
-    role: Role = Role.TRAINER
-    report_interval: float = 0.5
-    report_ttl: float = 8.0  # a peer whose report is older is not live
-    matchmaking_time: float = 2.0
-    request_timeout: float = 1.0
-    averaging_timeout: float = 30.0  # matchmaking + all-reduce, per round
-    allreduce_timeout: float = 20.0
-    next_chunk_timeout: float = 4.0  # a silent peer is dropped from an all-reduce after this
-    vote_timeout: float = 6.0
-    state_timeout: float = 60.0
-    mixed_precision: bool = True  # autocast to bf16 on CUDA
-    max_failed_rounds: int = 50  # consecutive abandoned rounds before giving up
-    # do not step until this many trainers are live (a demo or test waiting for its peers); once they were, the run
-    # goes on with fewer, but never steps alone while fewer than this are live
-    min_peers: int = 1
-    # a trainer that saw others vanish without saying they left (a crash or a partition: the same from inside) waits
-    alone_after: float = 60.0  # this long before it steps alone (and those steps hold no anchor: ``protocol.history``)
-    finish_linger: float = 45.0  # a finished peer serves trainers still behind at most this long (> a round's wait)
 
 
 class Trainer:
@@ -96,6 +70,7 @@ class Trainer:
         self.work = make_work(spec=spec, task=task, state=state, device=self.device, config=config)
         self.samples = 0  # samples accumulated toward the next step
         self.claims = Claims()  # blocks whose gradients are in the accumulator
+        self.ahead: Optional[Ahead] = None  # of those, the next step's, computed while a round communicates
         self.quota: Optional[int] = None  # samples this peer brings to the next step (its part of the plan, published)
         # when this peer last found no free block for the next step (monotonic; 0: not): for a while its part ends
         # with what it has, then it looks again (a dead peer's leases expire, the view changes)
@@ -148,15 +123,11 @@ class Trainer:
     def state_hash(self) -> str:
         return self.served.state_hash
 
-    async def catch_up(self, *, deadline: float) -> dict:
-        """See ``CatchUp.catch_up``."""
-        return await self.catchup.catch_up(deadline=deadline)
-
     async def resync(self) -> None:
         """Catch up with the swarm (drops local accumulation: it belongs to a step this peer is no longer at)."""
         before = self.state.step
         t0 = time.perf_counter()
-        how = await self.catch_up(deadline=time.monotonic() + self.config.state_timeout)
+        how = await self.catchup.catch_up(deadline=time.monotonic() + self.config.state_timeout)
         self._zero_accumulator()
         self.stats["resyncs"] += 1
         self.stats["steps_discarded"] += how["discarded"]  # a split's minority re-synced to the majority's history
@@ -205,7 +176,7 @@ class Trainer:
                 # the others finished while this peer was behind: leave with the run's final state, if a
                 # provider still serves it
                 try:
-                    await self.catch_up(deadline=time.monotonic() + min(20.0, self.config.state_timeout))
+                    await self.catchup.catch_up(deadline=time.monotonic() + min(20.0, self.config.state_timeout))
                 except (IncompatibleState, CatchUpFailed) as e:
                     logger.warning(f"the run finished; leaving at step {self.state.step}: {e}")
             self.finished = True
@@ -272,10 +243,10 @@ class Trainer:
         return step_target(self.state.cursor, self.spec.target_batch_size)
 
     # ---- gradients -----------------------------------------------------------------------------------
-    def _take_blocks(self, quota: int) -> list[int]:
-        """The next blocks to compute: a batch, or what is left of its part; none the others lease or claimed."""
+    def _take_blocks(self, quota: int, have: int) -> list[int]:
+        """The next blocks: a batch, or what is left of a part (``have`` of ``quota``); none leased or claimed."""
         cursor, step, trainers = self.state.cursor, self.state.step, self.view.trainers
-        count = max(1, math.ceil(min(self.work.batch(quota), quota - self.samples) / cursor.block_size))
+        count = max(1, math.ceil(min(self.work.batch(quota), quota - have) / cursor.block_size))
         leased = self.view.leased(me=self.peer_id, step=step, data_epoch=cursor.data_epoch)
         held = self.claims.blocks.add(leased).add(self.rounds.held_elsewhere(cursor, step, trainers))
         members = sorted(set(trainers) | {self.peer_id})
@@ -284,7 +255,7 @@ class Trainer:
     async def _compute_once(self, quota: int) -> None:
         if self.work.stale(self.state_hash):
             self._zero_accumulator()
-        blocks = self._take_blocks(quota)
+        blocks = self._take_blocks(quota, self.samples if self.ahead is None else self.ahead.samples)
         if not blocks:  # every free block of the epoch is applied, held by us or leased: our part is what we hold
             self.spent_at = time.monotonic()
             await asyncio.sleep(self.config.report_interval)
@@ -295,14 +266,23 @@ class Trainer:
         self.compute_seconds += dt
         self.samples += n
         self.claims.add(blocks)
+        if self.ahead is not None:
+            self.ahead.add(blocks, n)
         self.last_loss = loss
         self.speed.add(n, max(dt, 1e-6))
 
-    def _zero_accumulator(self) -> None:
-        self.work.reset(self.state_hash)
+    def _zero_accumulator(self, applied: Optional[RangeSet] = None) -> None:
+        """Drop the local work; after a commit (of ``applied``) keep the work computed ahead (``Ahead``) unless the
+        commit applied one of its blocks or ended the data epoch."""
+        ahead, self.ahead = self.ahead, None
+        if (ahead is not None and applied is not None and ahead.data_epoch == self.state.cursor.data_epoch
+                and not ahead.claims.blocks.intersect(applied).ranges):
+            self.work.carry(self.state_hash)
+            self.samples, self.claims = ahead.samples, ahead.claims
+        else:
+            self.work.reset(self.state_hash)
+            self.samples, self.claims = 0, Claims()
         self.speed.close()
-        self.samples = 0
-        self.claims = Claims()
         self.spent_at, self.ready_at, self.quota, self.floor = 0.0, 0.0, None, 0
 
     # ---- the round -----------------------------------------------------------------------------------
@@ -329,9 +309,7 @@ class Trainer:
         meta = self.rounds.load(*update, meta=meta)  # with error feedback, its declared norm is of what it now sends
         plan = self._plan()
         try:
-            result = await self.rounds.attempt(meta, cursor=self.state.cursor, target=self._target(),
-                                               tolerance=self.spec.step_tolerance, group_size=len(plan.quotas),
-                                               eta=round_eta(plan, self.view, me=self.peer_id, step=self.state.step))
+            result = await self._attempt(meta, plan)
         except Stopped:
             raise
         except Exception as e:  # left out by a fast swarm: ask to be planned a step ahead (published below)
@@ -374,8 +352,33 @@ class Trainer:
             if taker:
                 self.floor = self.samples + short  # the round fell short: this peer computes the rest
 
+    async def _attempt(self, meta: RoundMeta, plan) -> RoundResult:
+        """The round. With ``outer_overlap`` the next step's inner steps (``Ahead``) run while it communicates; a commit
+        waits for the one in flight (they go on from the committed state, one round late: ``InnerSteps.carry``)."""
+        attempt = asyncio.ensure_future(self.rounds.attempt(
+            meta, cursor=self.state.cursor, target=self._target(), tolerance=self.spec.step_tolerance,
+            group_size=len(plan.quotas), eta=round_eta(plan, self.view, me=self.peer_id, step=self.state.step)))
+        if not self.spec.outer_overlap or self.work.stale(self.state_hash):  # (stale: no part of its own to go on from)
+            return await attempt
+        self.work.hold()
+        part = min(self.samples, plan.quotas.get(self.peer_id, self.samples))  # this part, as the plan has it
+        self.ahead = ahead = Ahead(part, self.state.cursor.data_epoch, before=(self.samples, self.claims.copy()))
+        try:
+            while not attempt.done() and self.ahead is ahead:
+                if ahead.samples < ahead.part:
+                    await self._compute_once(ahead.part)
+                else:
+                    await asyncio.wait([attempt], timeout=self.config.report_interval)
+        except Exception:  # the round's buffers stay hivemind's until it ends: no next round may load them before
+            await asyncio.wait([attempt])
+            raise
+        return await attempt
+
     def _abandon(self, reason: str, **why) -> None:
         """``why``: what the round was made of, for the event (each member's samples, this peer's part)."""
+        if self.ahead is not None:  # the round's part is kept, what was computed ahead is dropped
+            self.work.release()
+            (self.samples, self.claims), self.ahead = self.ahead.before, None
         self.spent_at, self.ready_at = 0.0, 0.0  # the part is planned again (the swarm may have changed)
         self.stats["rounds_abandoned"] += 1
         self.failed_rounds += 1
@@ -411,7 +414,7 @@ class Trainer:
             grads = [None if g is None else g.div_(max(1, divisor)) for g in tensors]
         before, self._applying, self.served.next_anchor = self.state_hash, True, "here" if majority else None
         self._optimizer_step(grads, applied)
-        self._zero_accumulator()
+        self._zero_accumulator(applied)
         self._applying = False
         self.failed_rounds = 0
         self.stats["steps_committed"] += 1
@@ -462,11 +465,8 @@ class Trainer:
     def _step_fields(self, **extra) -> dict:
         trainers = self.view.trainers
         sps = sum(r.samples_per_second for p, r in trainers.items() if p != self.peer_id) + self.speed.value
-        steps_left = self.spec.steps_left(self.state.step, self.state.cursor)
-        if self.step_seconds is not None:
-            eta = steps_left * self.step_seconds
-        else:  # before two commits: compute alone (an underestimate: rounds are not counted yet)
-            eta = steps_left * self.spec.target_batch_size / sps if sps > 0 else None
+        eta = run_eta(self.spec.steps_left(self.state.step, self.state.cursor), step_seconds=self.step_seconds,
+                      target=self.spec.target_batch_size, samples_per_second=sps)
         return dict(step=self.state.step, total_steps=self.spec.total_steps, loss=self.last_loss, eta_s=eta,
                     samples_accumulated=self.samples, state_hash=self.state_hash, samples_per_second=round(sps, 2),
                     peers=max(1, len(trainers)), cursor=self.state.cursor.summary(), **extra)

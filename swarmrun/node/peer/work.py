@@ -8,6 +8,7 @@ of thing (``update``): a tensor per parameter and the divisor that makes it a me
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -17,6 +18,7 @@ from swarmrun.node.state.run import RunState
 from swarmrun.node.tasks.base import Task, batch_len, batch_to
 from swarmrun.protocol.errors import IncompatibleState
 from swarmrun.protocol.plan import inner_batch
+from swarmrun.protocol.round import Claims
 from swarmrun.protocol.spec import Spec
 
 
@@ -40,6 +42,24 @@ def mean_norm(update: tuple[list[Optional[torch.Tensor]], int]) -> float:
     norms = [t.detach().float().norm() for t in tensors if t is not None]
     value = float(torch.stack(norms).norm()) / max(1, divisor) if norms else 0.0
     return value if math.isfinite(value) else -1.0
+
+
+@dataclass
+class Ahead:
+    """The next step's work, computed while this peer's round communicates (``outer_overlap``): its blocks and
+    samples, also in the trainer's ``claims`` and ``samples`` until the round ends (leased like the round's): a commit
+    keeps them for the next step, an abandoned round drops them (``before``: the round's own claims and samples; else
+    the next attempt would bring more than the part planned). At most ``part`` samples (the round's, as planned)."""
+
+    part: int
+    data_epoch: int
+    before: tuple[int, Claims]
+    claims: Claims = field(default_factory=Claims)
+    samples: int = 0
+
+    def add(self, blocks: list[int], samples: int) -> None:
+        self.claims.add(blocks)
+        self.samples += samples
 
 
 class Accumulate:
@@ -74,6 +94,17 @@ class Accumulate:
     def fields(self) -> dict:
         return {}
 
+    def hold(self) -> None:
+        """The round took this peer's update; local work goes on beside it (outer mode's overlap only)."""
+        raise NotImplementedError("only outer mode overlaps its round with the next local work")
+
+    def release(self) -> None:
+        """The round is over without a commit: drop the work since ``hold`` (the round's is kept)."""
+
+    def carry(self, state_hash: str) -> None:
+        """The round committed: keep what was computed since ``hold`` on top of the new state (else ``reset``)."""
+        self.reset(state_hash)
+
 
 class InnerSteps(Accumulate):
     """Outer mode: each computed batch (this peer's part / ``inner_steps`` samples, in batches of at most
@@ -85,6 +116,7 @@ class InnerSteps(Accumulate):
     def __init__(self, *, inner: Inner, **kwargs):
         super().__init__(**kwargs)
         self.inner = inner
+        self._sent: Optional[tuple[list[torch.Tensor], int]] = None  # (inner parameters, inner steps) at ``hold``
 
     def batch(self, quota: int) -> int:
         return inner_batch(quota, self.spec.inner_steps)
@@ -108,13 +140,41 @@ class InnerSteps(Accumulate):
 
     def reset(self, state_hash: str) -> None:
         """Start the inner model again from the committed state, at the schedule's learning rate of its step."""
+        self._sent = None
+        self.inner.restart(self.state.model, base=state_hash, lr=self._lr())
+
+    def _lr(self) -> Optional[list[float]]:
         sched = self.state.scheduler
-        self.inner.restart(self.state.model, base=state_hash,
-                           lr=sched.get_last_lr() if hasattr(sched, "get_last_lr") else None)
+        return sched.get_last_lr() if hasattr(sched, "get_last_lr") else None
 
     def fields(self) -> dict:
-        """The inner steps this peer took toward the step (a field of its step event)."""
-        return {"inner_steps": self.inner.steps}
+        """The inner steps this peer took toward the step (a field of its step event; with an overlap, those the
+        round took)."""
+        return {"inner_steps": self.inner.steps if self._sent is None else self._sent[1]}
+
+    def hold(self) -> None:
+        """Remember the inner parameters the round's pseudo-gradient was taken at (a copy: inner steps go on)."""
+        self._sent = ([p.detach().clone() for p in self.inner.model.parameters()], self.inner.steps)
+
+    def release(self) -> None:
+        """Put the inner parameters back where the round took them (the inner optimizer's moments keep the steps
+        dropped: they are the peer's own, not the run's state)."""
+        if self._sent is None:
+            return
+        (sent, steps), self._sent = self._sent, None
+        with torch.no_grad():
+            for p, then in zip(self.inner.model.parameters(), sent):
+                p.copy_(then)
+        self.inner.steps = steps
+
+    def carry(self, state_hash: str) -> None:
+        """The next outer step starts from the committed state plus the inner steps taken during the round
+        (``Inner.rebase``); without a ``hold``, from the committed state (``reset``)."""
+        if self._sent is None:
+            self.reset(state_hash)
+            return
+        (sent, steps), self._sent = self._sent, None
+        self.inner.rebase(self.state.model, sent, base=state_hash, steps=self.inner.steps - steps, lr=self._lr())
 
 
 def make_work(*, spec: Spec, task: Task, state: RunState, device: torch.device, config) -> Accumulate:
