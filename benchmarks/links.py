@@ -11,6 +11,8 @@ equal samples (the summary's ``equal_samples``: every mode within 5% of ``sync32
 - ``sync8``: the same with ``compression=8bit`` (blockwise, encoded by sender and reducer, decoded bits everywhere);
 - ``outer<H>``: outer (DiLoCo) mode with ``inner_steps=H`` and ``target_batch_size`` H*T, at two values of H;
 - ``outer<H>_8bit``: outer mode with 8-bit pseudo-gradients, at the larger H;
+- ``outer<H>_8bit_overlap``: the same with ``outer_overlap=true`` (each peer takes the next step's inner steps while
+  the outer round communicates: ``node.peer.work.Ahead``);
 - ``sync8ef`` and ``outer<H>_8bit_ef`` (only when ``--modes`` names them): ``sync8`` and ``outer<H>_8bit`` with
   ``error_feedback=true`` (each peer carries what its encoding lost into its next contribution);
 - ``hivemind``: ``hivemind.Optimizer`` (``_hivemind_peer.py``) with the settings it offers for slow links:
@@ -110,13 +112,15 @@ def modes(opts) -> dict[str, dict[str, Any]]:
         f"outer{hs}": dict(target_batch_size=hs * t, inner_steps=hs, **outer),
         f"outer{hl}": dict(target_batch_size=hl * t, inner_steps=hl, **outer),
         f"outer{hl}_8bit": dict(target_batch_size=hl * t, inner_steps=hl, compression="8bit", **outer),
+        f"outer{hl}_8bit_overlap": dict(target_batch_size=hl * t, inner_steps=hl, compression="8bit",
+                                        outer_overlap=True, **outer),
         "hivemind": dict(target_batch_size=t),
         "sync8ef": dict(target_batch_size=t, compression="8bit", error_feedback=True),
         f"outer{hl}_8bit_ef": dict(target_batch_size=hl * t, inner_steps=hl, compression="8bit", error_feedback=True,
                                    **outer),
     }
     opt_in = ("sync8ef", f"outer{hl}_8bit_ef")  # run only when named
-    aliases = {"outer8": f"outer{hl}_8bit", "outer": f"outer{hl}"}
+    aliases = {"outer8": f"outer{hl}_8bit", "outer": f"outer{hl}", "outer8o": f"outer{hl}_8bit_overlap"}
     if opts.modes:
         wanted = [aliases.get(m, m) for m in opts.modes.split(",") if m]
         unknown = [m for m in wanted if m not in table]
@@ -234,6 +238,9 @@ def summarize(runs: dict[str, dict], failed: dict[str, str], opts) -> dict[str, 
     out.update(bytes_ratio_outer8=ratio(f"outer{hl}_8bit"), utilisation_outer8=runs.get(f"outer{hl}_8bit", {}).get("utilisation"),
                bytes_ratio_sync8=ratio("sync8"), loss_gap_sync8=gap("sync8"), loss_gap_outer=gap(f"outer{hl}"),
                loss_gap_outer_small_h=gap(f"outer{hs}"), loss_gap_outer8=gap(f"outer{hl}_8bit"),
+               bytes_ratio_outer8_overlap=ratio(f"outer{hl}_8bit_overlap"),
+               utilisation_outer8_overlap=runs.get(f"outer{hl}_8bit_overlap", {}).get("utilisation"),
+               loss_gap_outer8_overlap=gap(f"outer{hl}_8bit_overlap"),
                loss_gap_sync8ef=gap("sync8ef"), loss_gap_outer8ef=gap(f"outer{hl}_8bit_ef"),
                # every mode's samples applied within 5% of sync32's: its eval loss is one at equal samples
                equal_samples=bool(base.get("samples_applied")) and all(
