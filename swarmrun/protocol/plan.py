@@ -160,8 +160,9 @@ def plan_step(view: SwarmView, *, me: str, step: int, my_rate: float, target: in
 def my_quota(plan: StepPlan, view: SwarmView, *, me: str, step: int, samples: int) -> int:
     """This trainer's part, reconciled with what the others published for this step.
 
-    A member at this step that published its part counts with it (or with what it already computed, if more);
-    one not yet at this step counts with its part of this plan. A shortfall goes to the first member, a surplus
+    A member at this step that published its part counts with it (or with what it already computed, if more: work
+    carried into the step, ``outer_overlap``, before it published one); one not yet at this step counts with its part
+    of this plan. A shortfall goes to the first member, a surplus
     comes off the last one's part (never below what it computed already). And no part reaches past what the
     others at this step already computed: a trainer that joined while one of them held most of the step (its
     partner killed, its plan's surplus on a member that is gone) brought its whole part on top, and the step carried
@@ -172,8 +173,8 @@ def my_quota(plan: StepPlan, view: SwarmView, *, me: str, step: int, samples: in
     planned = dict(plan.quotas)
     for p in plan.members:
         r = view.trainers.get(p)
-        if p != me and r is not None and r.step == step and r.quota is not None:
-            planned[p] = max(r.quota, r.samples)
+        if p != me and r is not None and r.step == step:  # (no part published yet: work carried into the step)
+            planned[p] = max(planned[p] if r.quota is None else r.quota, r.samples)
     planned[me] = max(mine, samples)
     gap = plan.target - sum(planned.values())
     if gap > 0 and me == plan.members[0]:
@@ -237,19 +238,21 @@ def inner_batch(quota: int, inner_steps: int) -> int:
 def pick_blocks(cursor: DataCursor, count: int, *, member: int, members: int, exclude: RangeSet) -> list[int]:
     """Up to ``count`` unapplied blocks for trainer ``member`` of ``members`` (sorted peer ids).
 
-    The epoch's pending blocks (in data order; the same list on every peer of a state) are dealt round-robin: the
-    member takes its own hand first, from the front. Once its hand is spent (near an epoch's end, or when it is
+    The epoch's data order (the same on every peer) is dealt round-robin into ``members`` hands once per data epoch,
+    so a block stays in its member's hand from one step to the next. (Dealt anew from the unapplied blocks at every
+    commit, hands shifted: blocks a member computed during a round for the next step, ``outer_overlap``, were in
+    another member's hand after the commit, and links.py's claims collided at every step.) The member takes the
+    unapplied blocks of its own hand first, from the front. Once its hand is spent (near an epoch's end, or when it is
     faster than its share), it takes from the *back* of the others' hands, the next member's first, so it meets a
     member still taking from the front of its own hand only when no block is left. ``exclude``: blocks held by this
     peer or leased by others."""
-    pending = _pending(cursor.seed, cursor.data_epoch, cursor.num_blocks, cursor.applied.ranges)
+    hands = _hands(cursor.seed, cursor.data_epoch, cursor.num_blocks, cursor.applied.ranges, members)
     excluded = _mask(cursor.num_blocks, exclude.ranges)
-    out = _free(pending[member::members], excluded, count)
+    out = _free(hands[member], excluded, count)
     for k in range(1, members):
         if len(out) >= count:
             break
-        other = pending[(member + k) % members::members][::-1]
-        out += _free(other, excluded, count - len(out))
+        out += _free(hands[(member + k) % members][::-1], excluded, count - len(out))
     return out
 
 
@@ -268,8 +271,10 @@ def _mask(n: int, ranges) -> bytearray:
     return mask
 
 
-@functools.lru_cache(maxsize=4)
-def _pending(seed: int, data_epoch: int, num_blocks: int, applied: tuple) -> tuple[int, ...]:
-    """The data order's unapplied blocks (once per state: a dataset may hold millions of blocks)."""
+@functools.lru_cache(maxsize=8)
+def _hands(seed: int, data_epoch: int, num_blocks: int, applied: tuple, members: int) -> tuple[tuple[int, ...], ...]:
+    """The data order dealt into ``members`` hands, less the applied blocks (once per state and membership: a dataset
+    may hold millions of blocks)."""
     mask = _mask(num_blocks, applied)
-    return tuple(b for b in block_order(seed, data_epoch, num_blocks) if not mask[b])
+    order = block_order(seed, data_epoch, num_blocks)
+    return tuple(tuple(b for b in order[m::members] if not mask[b]) for m in range(max(1, members)))

@@ -20,9 +20,12 @@ ROOT = Path(__file__).parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 
-def test_outer_mode_trace_with_kills_and_joins(tmp_path):
+# outer_overlap: the same trace with outer_overlap=true (each trainer takes the next step's inner steps while the
+# outer round communicates; a commit carries them onto the committed state, an abandoned round or a death drops them)
+@pytest.mark.parametrize("trace", ["outer", "outer_overlap"])
+def test_outer_mode_trace_with_kills_and_joins(tmp_path, trace):
     out = tmp_path / "report"
-    result = subprocess.run([sys.executable, "-m", "simulations", "run", "simulations/traces/outer.json",
+    result = subprocess.run([sys.executable, "-m", "simulations", "run", f"simulations/traces/{trace}.json",
                              "--out", str(out), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=400)
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert lines and "invariants" in lines[-1], (lines[-1:], result.stderr[-3000:])

@@ -60,6 +60,19 @@ def test_pick_blocks_partitions_the_order_among_trainers():
     assert len(rest) == 20 and not set(rest) & set(a + b)
 
 
+def test_a_members_hand_stays_its_own_after_a_commit():
+    """Blocks member 0 computed while member 1's part was committed (work computed ahead, ``outer_overlap``) are not
+    in member 1's hand after the commit: hands are dealt from the data order once per epoch, not from what is left."""
+    from swarmrun.protocol.plan import pick_blocks
+
+    cursor = DataCursor.new(seed=3, num_examples=8 * 40, block_size=8)
+    a = pick_blocks(cursor, 10, member=0, members=2, exclude=RangeSet())
+    b = pick_blocks(cursor, 10, member=1, members=2, exclude=RangeSet())
+    after = cursor.apply(RangeSet.from_items(b))  # member 1's blocks committed, member 0's still computing
+    assert not set(pick_blocks(after, 10, member=1, members=2, exclude=RangeSet())) & set(a)
+    assert pick_blocks(after, 10, member=0, members=2, exclude=RangeSet()) == a
+
+
 def test_claims_on_applied_blocks_or_other_epoch_or_lying_counts_are_refused():
     cursor = CURSOR.apply(RangeSet.from_items([3]))
     d = decide_claims([meta([3, 4]), meta([6], epoch=1), meta([7], samples=1000), meta([8])], cursor)

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
@@ -109,6 +109,19 @@ class Reporter:
             await asyncio.wait_for(self.refresh(), self.config.report_interval)
         except Exception as e:
             logger.debug(f"could not refresh the view after a commit: {e!r}")
+
+    async def await_step(self, members: Collection[str], step: int) -> None:
+        """Read the reports until every other live peer of ``members`` reports at ``step`` or later (bounded: four
+        report intervals of the config). After a commit with work carried into the next step (``outer_overlap``) the
+        rest of a part planned on reports of the last step overshot it: each member carried about its part, the
+        reports said nothing of it, and one planned and computed a batch more (a step of 280 for 256)."""
+        deadline = time.monotonic() + 4 * self.config.report_interval
+        while time.monotonic() < deadline:
+            behind = [r for p, r in self.view.trainers.items() if p in members and p != self.peer_id and r.step < step]
+            if not behind:
+                return
+            await asyncio.sleep(self.config.report_interval / 4)
+            await self.refresh()
 
     def recently_live(self) -> int:
         """Trainers seen live within the report TTL (a high-water mark: a view that is still forming, at a start or

@@ -275,8 +275,7 @@ class Trainer:
         """Drop the local work; after a commit (of ``applied``) keep the work computed ahead (``Ahead``) unless the
         commit applied one of its blocks or ended the data epoch."""
         ahead, self.ahead = self.ahead, None
-        if (ahead is not None and applied is not None and ahead.data_epoch == self.state.cursor.data_epoch
-                and not ahead.claims.blocks.intersect(applied).ranges):
+        if ahead is not None and applied is not None and ahead.carries(applied, self.state.cursor.data_epoch):
             self.work.carry(self.state_hash)
             self.samples, self.claims = ahead.samples, ahead.claims
         else:
@@ -338,6 +337,8 @@ class Trainer:
                                                           compute_s=self._compute_taken(), **mine))
             # in the background: the next step's first batch may plan on the older view, the next ones read this one
             self._looking = asyncio.ensure_future(self.reporter.publish_and_read())
+            if self.samples:  # work carried from the round (outer_overlap): the rest of the part on a fresh view
+                await self.reporter.await_step(outcome.peer_ids, self.state.step)
         else:
             me = outcome.peer_ids.index(self.peer_id) if self.peer_id in outcome.peer_ids else -1
             if me in claims.refused:
@@ -353,8 +354,7 @@ class Trainer:
                 self.floor = self.samples + short  # the round fell short: this peer computes the rest
 
     async def _attempt(self, meta: RoundMeta, plan) -> RoundResult:
-        """The round. With ``outer_overlap`` the next step's inner steps (``Ahead``) run while it communicates; a commit
-        waits for the one in flight (they go on from the committed state, one round late: ``InnerSteps.carry``)."""
+        """The round; with ``outer_overlap`` the next step's inner steps run meanwhile (``Ahead``, ``InnerSteps.carry``)."""
         attempt = asyncio.ensure_future(self.rounds.attempt(
             meta, cursor=self.state.cursor, target=self._target(), tolerance=self.spec.step_tolerance,
             group_size=len(plan.quotas), eta=round_eta(plan, self.view, me=self.peer_id, step=self.state.step)))
@@ -476,10 +476,10 @@ class Trainer:
         # a leaving peer releases its blocks in its last report rather than holding them until the report expires; so
         left = self.stop_requested.is_set() or bool(self.holding) or (  # does one a pause holds: no one waits for it
             self.config.max_steps is not None and self.state.step >= self.config.max_steps)
-        leaving = self.finished or left
         step, state_hash, anchor = self.served.position  # one object: not the next step with this one's hash
-        held = not (leaving or self._applying)  # mid-apply the accumulator is the last step's: nothing for this one
-        return ProgressReport(step=step, samples=self.samples if held else 0, role=self.config.role,
+        held = not (self.finished or left or self._applying)  # mid-apply the accumulator is the last step's
+        samples = self.samples if self.ahead is None else self.ahead.before[0]  # (work ahead is the next step's)
+        return ProgressReport(step=step, samples=samples if held else 0, role=self.config.role,
                               samples_per_second=self.speed.value, state_hash=state_hash, time=get_dht_time(),
                               finished=self.finished or self.spec.finished(self.state.step, self.state.cursor),
                               certificate=self.gate.credentials or b"", data_epoch=self.state.cursor.data_epoch,

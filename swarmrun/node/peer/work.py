@@ -16,6 +16,7 @@ import torch
 from swarmrun.node.peer.outer import Inner
 from swarmrun.node.state.run import RunState
 from swarmrun.node.tasks.base import Task, batch_len, batch_to
+from swarmrun.protocol.cursor import RangeSet
 from swarmrun.protocol.errors import IncompatibleState
 from swarmrun.protocol.plan import inner_batch
 from swarmrun.protocol.round import Claims
@@ -60,6 +61,11 @@ class Ahead:
     def add(self, blocks: list[int], samples: int) -> None:
         self.claims.add(blocks)
         self.samples += samples
+
+    def carries(self, applied: RangeSet, data_epoch: int) -> bool:
+        """Whether this work goes on after a commit of ``applied`` that left the cursor at ``data_epoch``: none of its
+        blocks was applied and the data epoch is the same."""
+        return data_epoch == self.data_epoch and applied.intersect(self.claims.blocks).is_empty
 
 
 class Accumulate:
