@@ -100,6 +100,9 @@ class RoundRunner:
         self.averager, self.dht, self.spec, self.gate, self.config = averager, dht, spec, gate, config
         self.subkey, self.live, self.moved_on, self.stop_requested = subkey, live, moved_on, stop_requested
         self.members, self.alone = members, alone
+        # set once the round in flight has a group (its all-reduce started): work that would compete for a core with
+        # members still computing their parts waits for it (``Trainer._attempt``)
+        self.formed = asyncio.Event()
         self._held_elsewhere: tuple = (None, None, {})  # (step, applied blocks, {member: blocks}) of the last round
 
     def held_elsewhere(self, cursor: DataCursor, step: int, live: Collection[str]) -> RangeSet:
@@ -169,6 +172,19 @@ class RoundRunner:
                                              delivered=claims.weights[outcome.peer_ids.index(me)] > 0)
         return RoundResult(decision, claims, outcome, time.perf_counter() - t0, time.perf_counter() - t1)
 
+    def start(self, meta: RoundMeta, **kwargs) -> asyncio.Future:
+        """``attempt`` as a task; ``formed`` is set once its group formed (``until_formed``)."""
+        self.formed.clear()
+        return asyncio.ensure_future(self.attempt(meta, **kwargs))
+
+    async def until_formed(self, attempt: asyncio.Future) -> None:
+        """Until the round in flight (``attempt``, from ``start``) has its group, or ended."""
+        formed = asyncio.ensure_future(self.formed.wait())
+        try:
+            await asyncio.wait([attempt, formed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            formed.cancel()
+
     async def _outcome(self, control, eta: float = 0.0) -> RoundOutcome:
         """The averager's outcome; a round still looking for a group is cancelled once the swarm moved past its
         step, or no other trainer is left in the view (only while matchmaking: a formed group's all-reduce is never
@@ -178,6 +194,7 @@ class RoundRunner:
             while not result.done():
                 await asyncio.wait([result], timeout=MOVED_ON_POLL)
                 if result.done() or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+                    self.formed.set()
                     continue
                 if self.moved_on() and control.cancel():
                     raise SwarmMovedOn("the swarm committed this step before a group formed")

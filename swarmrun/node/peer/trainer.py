@@ -272,8 +272,7 @@ class Trainer:
         self.speed.add(n, max(dt, 1e-6))
 
     def _zero_accumulator(self, applied: Optional[RangeSet] = None) -> None:
-        """Drop the local work; after a commit (of ``applied``) keep the work computed ahead (``Ahead``) unless the
-        commit applied one of its blocks or ended the data epoch."""
+        """Drop the local work; after a commit of ``applied``, keep the work computed ahead if ``Ahead.carries`` it."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None and applied is not None and ahead.carries(applied, self.state.cursor.data_epoch):
             self.work.carry(self.state_hash)
@@ -355,15 +354,16 @@ class Trainer:
 
     async def _attempt(self, meta: RoundMeta, plan) -> RoundResult:
         """The round; with ``outer_overlap`` the next step's inner steps run meanwhile (``Ahead``, ``InnerSteps.carry``)."""
-        attempt = asyncio.ensure_future(self.rounds.attempt(
+        attempt = self.rounds.start(
             meta, cursor=self.state.cursor, target=self._target(), tolerance=self.spec.step_tolerance,
-            group_size=len(plan.quotas), eta=round_eta(plan, self.view, me=self.peer_id, step=self.state.step)))
+            group_size=len(plan.quotas), eta=round_eta(plan, self.view, me=self.peer_id, step=self.state.step))
         if not self.spec.outer_overlap or self.work.stale(self.state_hash):  # (stale: no part of its own to go on from)
             return await attempt
         self.work.hold()
         part = min(self.samples, plan.quotas.get(self.peer_id, self.samples))  # this part, as the plan has it
         self.ahead = ahead = Ahead(part, self.state.cursor.data_epoch, before=(self.samples, self.claims.copy()))
-        try:
+        try:  # from when the group formed: members still computing their parts may share this peer's cores
+            await self.rounds.until_formed(attempt)
             while not attempt.done() and self.ahead is ahead:
                 if ahead.samples < ahead.part:
                     await self._compute_once(ahead.part)
