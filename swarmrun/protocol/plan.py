@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Collection, Mapping, Optional
@@ -244,21 +243,30 @@ def pick_blocks(cursor: DataCursor, count: int, *, member: int, members: int, ex
     another member's hand after the commit, and links.py's claims collided at every step.) The member takes the
     unapplied blocks of its own hand first, from the front. Once its hand is spent (near an epoch's end, or when it is
     faster than its share), it takes from the *back* of the others' hands, the next member's first, so it meets a
-    member still taking from the front of its own hand only when no block is left. ``exclude``: blocks held by this
-    peer or leased by others."""
+    member still taking from the front of its own hand only when no block is left; the back of a hand is shared among
+    the other members by position first (two members whose hands are spent, two fast ones of three, took the same
+    blocks of the slow one's), then any free block is taken. ``exclude``: blocks held by this peer or leased by
+    others."""
     hands = _hands(cursor.seed, cursor.data_epoch, cursor.num_blocks, cursor.applied.ranges, members)
     excluded = _mask(cursor.num_blocks, exclude.ranges)
     out = _free(hands[member], excluded, count)
-    for k in range(1, members):
-        if len(out) >= count:
-            break
-        out += _free(hands[(member + k) % members][::-1], excluded, count - len(out))
+    for shared in (True, False):
+        for k in range(1, members):
+            back = hands[(member + k) % members][::-1]
+            out += _free(back[member::members] if shared else back, excluded, count - len(out))
     return out
 
 
 def _free(blocks: tuple[int, ...], excluded: bytearray, count: int) -> list[int]:
-    """The first ``count`` of ``blocks`` not ``excluded``."""
-    return list(itertools.islice((b for b in blocks if not excluded[b]), max(0, count)))
+    """The first ``count`` of ``blocks`` not ``excluded``; they are marked ``excluded`` as they are taken."""
+    out: list[int] = []
+    for b in blocks:
+        if len(out) >= count:
+            break
+        if not excluded[b]:
+            excluded[b] = 1
+            out.append(b)
+    return out
 
 
 def _mask(n: int, ranges) -> bytearray:

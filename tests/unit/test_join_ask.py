@@ -79,7 +79,7 @@ def test_an_asker_holding_the_newest_step_of_a_stalled_swarm_stops_waiting(monke
 
 
 def test_rounds_abandoned_in_a_row_end_in_exit_3():
-    trainer = SimpleNamespace(spent_at=0.0, ready_at=0.0, ahead=None, stats={"rounds_abandoned": 0}, failed_rounds=2,
+    trainer = SimpleNamespace(spent_at=0.0, ready_at=0.0, _drop_ahead=lambda: None, stats={"rounds_abandoned": 0}, failed_rounds=2,
                               state=SimpleNamespace(step=7),
                               config=SimpleNamespace(max_failed_rounds=2),
                               events=SimpleNamespace(emit=lambda *a, **k: None))

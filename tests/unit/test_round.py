@@ -71,6 +71,14 @@ def test_a_members_hand_stays_its_own_after_a_commit():
     after = cursor.apply(RangeSet.from_items(b))  # member 1's blocks committed, member 0's still computing
     assert not set(pick_blocks(after, 10, member=1, members=2, exclude=RangeSet())) & set(a)
     assert pick_blocks(after, 10, member=0, members=2, exclude=RangeSet()) == a
+    # two members whose hands are spent share the back of a third's: different blocks, not the same ones
+    three = DataCursor.new(seed=3, num_examples=8 * 60, block_size=8)
+    spent = [pick_blocks(three, 20, member=m, members=3, exclude=RangeSet()) for m in (0, 1)]
+    late = three.apply(RangeSet.from_items(spent[0] + spent[1] + pick_blocks(three, 5, member=2, members=3,
+                                                                               exclude=RangeSet())))
+    x, y = (pick_blocks(late, 4, member=m, members=3, exclude=RangeSet()) for m in (0, 1))
+    assert len(x) == len(y) == 4 and not set(x) & set(y)
+    assert len(set(pick_blocks(late, 15, member=0, members=3, exclude=RangeSet()))) == 15  # every free block at last
 
 
 def test_claims_on_applied_blocks_or_other_epoch_or_lying_counts_are_refused():

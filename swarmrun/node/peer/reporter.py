@@ -121,7 +121,11 @@ class Reporter:
             if not behind:
                 return
             await asyncio.sleep(self.config.report_interval / 4)
-            await self.refresh()
+            try:
+                await asyncio.wait_for(self.refresh(), max(0.0, deadline - time.monotonic()) + 0.1)
+            except Exception as e:  # the view stays as it was: the part is planned on it
+                logger.debug(f"could not read the reports after a commit: {e!r}")
+                return
 
     def recently_live(self) -> int:
         """Trainers seen live within the report TTL (a high-water mark: a view that is still forming, at a start or

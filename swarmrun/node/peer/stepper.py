@@ -81,3 +81,19 @@ class StepThread:
     def close(self) -> None:
         """No step starts after this (one queued by a caller that was cancelled meanwhile is dropped)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def optimizer_step(state, params: list, grads: list, applied, *, clip: float) -> None:
+    """Step ``state`` from ``step`` to ``step + 1`` with these gradients (one per parameter of ``params``, or None):
+    clipped to ``clip`` (0: not), the optimizer and the schedule, then the step and the cursor advance by ``applied``.
+    One code for a commit and a replay (the same bits); run on the ``StepThread``."""
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.to(p.device, dtype=p.dtype, copy=True)  # clipping works in place
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, clip, foreach=False)
+    state.optimizer.step()
+    state.scheduler.step()
+    state.step += 1
+    state.cursor = state.cursor.apply(applied)
+    for p in params:
+        p.grad = None

@@ -29,7 +29,7 @@ from swarmrun.node.peer.config import TrainerConfig
 from swarmrun.node.peer.reporter import Reporter
 from swarmrun.node.peer.rounds import RoundResult, RoundRunner, SwarmMovedOn, make_averager
 from swarmrun.node.peer.served import ServedState
-from swarmrun.node.peer.stepper import StepThread
+from swarmrun.node.peer.stepper import StepThread, optimizer_step
 from swarmrun.node.peer.work import Ahead, make_work, mean_norm
 from swarmrun.node.state.run import FrozenState, RunState
 from swarmrun.node.state.steps import make_step_record
@@ -369,16 +369,22 @@ class Trainer:
                     await self._compute_once(ahead.part)
                 else:
                     await asyncio.wait([attempt], timeout=self.config.report_interval)
-        except Exception:  # the round's buffers stay hivemind's until it ends: no next round may load them before
-            await asyncio.wait([attempt])
+        except Exception as e:  # the work ahead is dropped; the round goes on (a commit is applied)
+            logger.warning(f"computing ahead of the round failed: {type(e).__name__}: {e}; dropped")
+            self._drop_ahead()
+        except BaseException:  # (leaving) the round's buffers are not loaded again: nothing waits for its end
+            attempt.cancel()
             raise
         return await attempt
 
-    def _abandon(self, reason: str, **why) -> None:
-        """``why``: what the round was made of, for the event (each member's samples, this peer's part)."""
+    def _drop_ahead(self) -> None:
         if self.ahead is not None:  # the round's part is kept, what was computed ahead is dropped
             self.work.release()
             (self.samples, self.claims), self.ahead = self.ahead.before, None
+
+    def _abandon(self, reason: str, **why) -> None:
+        """``why``: what the round was made of, for the event (each member's samples, this peer's part)."""
+        self._drop_ahead()
         self.spent_at, self.ready_at = 0.0, 0.0  # the part is planned again (the swarm may have changed)
         self.stats["rounds_abandoned"] += 1
         self.failed_rounds += 1
@@ -428,18 +434,9 @@ class Trainer:
             self.events.emit("eval", step=self.state.step, loss=loss)
 
     def _optimizer_step(self, grads: list[Optional[torch.Tensor]], applied: RangeSet) -> None:
-        """Step ``step -> step + 1`` with these gradients: one code for a commit and a replay (the same bits)."""
-        for p, g in zip(self.params, grads):
-            p.grad = None if g is None else g.to(p.device, dtype=p.dtype, copy=True)  # clipping works in place
+        """Step ``step -> step + 1`` with these gradients (``stepper.optimizer_step``), and serve the new state."""
         clip = float(self.spec.hparams.get("clip_norm", 0.0)) if self.work.clips_commit else 0.0
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=False)
-        self.state.optimizer.step()
-        self.state.scheduler.step()
-        self.state.step += 1
-        self.state.cursor = self.state.cursor.apply(applied)
-        for p in self.params:
-            p.grad = None
+        optimizer_step(self.state, self.params, grads, applied, clip=clip)
         self.served.refresh()
 
     def _after_commit(self) -> None:
@@ -478,7 +475,8 @@ class Trainer:
             self.config.max_steps is not None and self.state.step >= self.config.max_steps)
         step, state_hash, anchor = self.served.position  # one object: not the next step with this one's hash
         held = not (self.finished or left or self._applying)  # mid-apply the accumulator is the last step's
-        samples = self.samples if self.ahead is None else self.ahead.before[0]  # (work ahead is the next step's)
+        ahead = self.ahead  # (once: the step thread clears it) work ahead is the next step's
+        samples = self.samples if ahead is None else ahead.before[0]
         return ProgressReport(step=step, samples=samples if held else 0, role=self.config.role,
                               samples_per_second=self.speed.value, state_hash=state_hash, time=get_dht_time(),
                               finished=self.finished or self.spec.finished(self.state.step, self.state.cursor),

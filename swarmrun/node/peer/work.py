@@ -171,6 +171,7 @@ class InnerSteps(Accumulate):
         with torch.no_grad():
             for p, then in zip(self.inner.model.parameters(), sent):
                 p.copy_(then)
+                p.grad = None  # (a batch that failed half-way)
         self.inner.steps = steps
 
     def carry(self, state_hash: str) -> None:
