@@ -243,9 +243,7 @@ def test_work_computed_during_the_round_moves_onto_the_committed_state_and_nothi
     work.hold()  # a round, nothing computed during it, a commit: the inner model is the committed one, bit for bit
     with torch.no_grad():
         for p in state.model.parameters():
-            p.mul_(0.5)
-    state.inner.model.load_state_dict(state.model.state_dict())  # (as if the inner model were at the start)
-    work.hold()
+            p.mul_(0.5).add_(0.1)
     work.carry("h2")
     assert all(torch.equal(p, c) for p, c in zip(state.inner.model.parameters(), state.model.parameters()))
 
@@ -259,3 +257,28 @@ def test_work_computed_during_the_round_moves_onto_the_committed_state_and_nothi
     assert all(torch.equal(p, b) for p, b in zip(state.inner.model.parameters(), before))
     work.carry("h3")  # no hold: a plain restart from the committed state
     assert all(torch.equal(p, c) for p, c in zip(state.inner.model.parameters(), state.model.parameters()))
+
+
+def test_work_ahead_is_carried_only_if_the_commit_left_its_blocks_and_epoch_and_dropped_whole_otherwise():
+    """``Ahead.carries`` (after a commit) and ``Trainer._drop_ahead`` (an abandoned round, a failure computing ahead):
+    the round's claims and samples come back, the ahead ones go, and the inner model goes back (``release``)."""
+    from types import SimpleNamespace
+
+    from swarmrun.node.peer.trainer import Trainer
+    from swarmrun.node.peer.work import Ahead
+    from swarmrun.protocol.round import Claims
+
+    mine = Claims()
+    mine.add([1, 2])
+    ahead = Ahead(part=16, data_epoch=0, before=(16, mine.copy()))
+    ahead.add([7, 8], 16)
+    assert ahead.carries(RangeSet.from_items([1, 2, 3]), 0)  # the round's blocks applied, not the ones ahead
+    assert not ahead.carries(RangeSet.from_items([1, 8]), 0)  # one of its blocks was applied in another's part
+    assert not ahead.carries(RangeSet.from_items([1, 2]), 1)  # the commit closed the data epoch
+    mine.add([7, 8])  # the trainer's claims hold both until the round ends
+    released = []
+    trainer = SimpleNamespace(ahead=ahead, samples=32, claims=mine, work=SimpleNamespace(release=lambda: released.append(1)))
+    Trainer._drop_ahead(trainer)
+    assert trainer.ahead is None and trainer.samples == 16 and list(trainer.claims.blocks) == [1, 2] and released
+    Trainer._drop_ahead(trainer)  # nothing ahead: nothing to drop
+    assert trainer.samples == 16 and released == [1]
