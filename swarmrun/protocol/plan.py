@@ -21,7 +21,7 @@ import collections
 import functools
 import math
 from dataclasses import dataclass
-from typing import Collection, Mapping, Optional
+from typing import Collection, Iterable, Mapping, Optional
 
 from swarmrun.protocol.cursor import DataCursor, RangeSet, block_order
 from swarmrun.protocol.round import ProgressReport, SwarmView
@@ -161,8 +161,8 @@ def my_quota(plan: StepPlan, view: SwarmView, *, me: str, step: int, samples: in
 
     A member at this step that published its part counts with it (or with what it already computed, if more: work
     carried into the step, ``outer_overlap``, before it published one); one not yet at this step counts with its part
-    of this plan. A shortfall goes to the first member, a surplus
-    comes off the last one's part (never below what it computed already). And no part reaches past what the
+    of this plan. A shortfall goes to the first member, a surplus comes off the last one's part (never below what it
+    computed already). And no part reaches past what the
     others at this step already computed: a trainer that joined while one of them held most of the step (its
     partner killed, its plan's surplus on a member that is gone) brought its whole part on top, and the step carried
     272 samples for 256 (CI's outer trace). Computed samples are brought to the round; should their peer die, the
@@ -252,12 +252,15 @@ def pick_blocks(cursor: DataCursor, count: int, *, member: int, members: int, ex
     out = _free(hands[member], excluded, count)
     for shared in (True, False):
         for k in range(1, members):
-            back = hands[(member + k) % members][::-1]
-            out += _free(back[member::members] if shared else back, excluded, count - len(out))
+            if len(out) >= count:  # (the usual case: no hand of another is walked)
+                return out
+            hand = hands[(member + k) % members]
+            back = range(len(hand) - 1 - member, -1, -members) if shared else range(len(hand) - 1, -1, -1)
+            out += _free((hand[i] for i in back), excluded, count - len(out))
     return out
 
 
-def _free(blocks: tuple[int, ...], excluded: bytearray, count: int) -> list[int]:
+def _free(blocks: Iterable[int], excluded: bytearray, count: int) -> list[int]:
     """The first ``count`` of ``blocks`` not ``excluded``; they are marked ``excluded`` as they are taken."""
     out: list[int] = []
     for b in blocks:
